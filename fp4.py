@@ -1,0 +1,561 @@
+"""
+FP4 training numerics: formats, quantizers, kernel dispatch, GEMM backends, FP4 linear layers.
+
+Read top to bottom. The PyTorch reference in the first half is the *definition* of every
+number this project produces: the CUDA kernels (kernels.cu) and the GEMM backends are tested
+against it, bit for bit where SPEC.md says exact. Section numbers (SPEC x) refer to
+../shared/SPEC.md.
+
+Formats (SPEC 1-2):
+  mxfp4: E2M1 elements, one E8M0 (power of two) scale per 32 elements along the contraction dim.
+  nvfp4: E2M1 elements, one E4M3 scale per 16 elements (or per 16x16 tile), one FP32 tensor scale.
+
+Bit-exactness contract with the kernels (everything in FP32, no fused multiply-add):
+  - Hadamard: the butterfly (a, b) -> (a + b, a - b) over strides h = 1, 2, 4, ..., n/2, then one
+    multiply by the FP32 constant 1/sqrt(n). Signs (+-1) multiply the input first.
+  - Block sums (QuEST's sigma, four_over_six's error, MS-EDEN's correction) are halving trees:
+    element j is added to element j + n/2, then the first half is summed the same way. A warp's
+    butterfly reduction (__shfl_xor 16, 8, 4, 2, 1 over one element per lane) gives exactly this.
+  - Stochastic rounding draws u = (hash(seed, index) >> 8) * 2^-24, index = row * K + k in the
+    QTensor's layout (quantized axis last), hash = two rounds of the lowbias32 integer mixer
+    (see _hash32). Round up iff u < (|v| - lo) / (hi - lo).
+"""
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+# ---------------------------------------------------------------------------------------------
+# E2M1: the FP4 element (SPEC 1)
+
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of codes 0..7; bit 3 = sign
+# Round to nearest, ties to the even code: a magnitude's code is the number of midpoints below it,
+# where a midpoint whose tie goes down (to the even code below) counts only if strictly below:
+# 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4 (SPEC 1).
+_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def _grid(device):
+    return torch.tensor(E2M1_GRID, dtype=torch.float32, device=device)
+
+
+def e2m1_encode(v):
+    """FP32 values already divided by their scale -> E2M1 codes (uint8, 0..15). RN-even,
+    saturating at +-6. The sign bit is set iff v < 0 (so -0.0 gives code 0); NaN -> code 0
+    (callers mark non-finite blocks through their scale)."""
+    a = v.abs()
+    code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
+    for m, tie_up in _MIDPOINTS:  # NaN compares false everywhere: code 0
+        code += (a >= m) if tie_up else (a > m)
+    return _with_sign(code, v)
+
+
+def e2m1_encode_sr(v, u):
+    """Stochastic rounding to E2M1: between the grid neighbours lo <= |v| < hi round up with
+    probability (|v| - lo) / (hi - lo), i.e. iff u < frac(|v| / step), step = hi - lo = 0.5 below
+    2, 1 below 4, 2 above (both forms are exact in FP32). Saturates at 6; u in [0, 1)."""
+    a = v.abs().clamp(max=6.0)
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    w = a / step
+    lo = torch.floor(w)
+    n = lo + (u < (w - lo))  # multiples of step: 0..4 (step .5), 2..4 (step 1), 2..3 (step 2)
+    code = n + torch.where(a < 2, 0.0, torch.where(a < 4, 2.0, 4.0))
+    return _with_sign(torch.nan_to_num(code, nan=0.0).to(torch.uint8), v)
+
+
+def _with_sign(code, v):
+    return code | ((v < 0).to(torch.uint8) << 3)
+
+
+def e2m1_decode(codes):
+    """uint8 codes 0..15 -> FP32 values."""
+    grid = _grid(codes.device)
+    mag = grid[(codes & 7).long()]
+    return torch.where((codes & 8) != 0, -mag, mag)
+
+
+def pack(codes):
+    """(..., K) codes -> (..., K/2) bytes; element 2i in the low nibble (float4_e2m1fn_x2)."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack needs an even last dim, got {codes.shape[-1]}")
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack(packed):
+    """(..., K/2) bytes -> (..., K) codes."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scale formats: E8M0 (MX) and E4M3 (NV) (SPEC 2)
+
+E8M0_NAN = 0xFF
+E4M3_NAN = 0x7F
+E4M3_MAX = 448.0
+
+
+def e8m0_decode(bits):
+    """uint8 biased exponents -> FP32 2^(bits - 127); 0xFF -> NaN."""
+    v = torch.ldexp(torch.ones_like(bits, dtype=torch.float32), bits.int() - 127)
+    return torch.where(bits == E8M0_NAN, float("nan"), v)
+
+
+def e4m3_encode(x):
+    """FP32 >= 0 -> E4M3 bits, round to nearest even, saturating at 448; NaN -> 0x7F."""
+    return x.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def e4m3_decode(bits):
+    return bits.view(torch.float8_e4m3fn).float()
+
+
+def e4m3_encode_sr(t, u):
+    """Stochastic rounding of FP32 t >= 0 to E4M3 (MS-EDEN's scales): between the neighbours
+    lo <= t < hi round up with probability (t - lo) / (hi - lo). Saturates at 448."""
+    rn = e4m3_encode(t)
+    lo_bits = torch.where(e4m3_decode(rn) > t, rn - 1, rn)  # positive E4M3 bits are monotone
+    hi_bits = (lo_bits + 1).clamp(max=0x7E)
+    lo, hi = e4m3_decode(lo_bits), e4m3_decode(hi_bits)
+    p = torch.where(hi > lo, (t - lo) / (hi - lo), torch.zeros_like(t))
+    out = torch.where(u < p, hi_bits, lo_bits)
+    return torch.where(torch.isnan(t), E4M3_NAN, out).to(torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Counter-based random numbers (for stochastic rounding), identical in kernels.cu
+
+_M32 = 0xFFFFFFFF
+
+
+def _lowbias32(x):
+    """32-bit integer mixer (C. Wellons' 'lowbias32'), on int64 tensors holding uint32 values.
+    Products wrap in int64; the low 32 bits are the uint32 product."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def _lowbias32_py(x):
+    """The same mixer on one Python int."""
+    x &= _M32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def _s32(c):
+    return c - (1 << 32) if c >= 1 << 31 else c  # a uint32 constant as the int32 with its bits
+
+
+def _lowbias32_i32(x):
+    """lowbias32 on int32 tensors holding uint32 bits: int32 products wrap like uint32 ones,
+    and a logical right shift is an arithmetic one masked to the remaining bits."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _s32(0x7FEB352D)
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _s32(0x846CA68B)
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def hash_key(seed, hi=0):
+    """key(seed, hi) = lowbias32(seed + 0x9E3779B9 * (hi + 1) mod 2^32), hi = index >> 32."""
+    return _lowbias32_py((seed & _M32) + 0x9E3779B9 * (hi + 1))
+
+
+def uniform(seed, n, device="cpu"):
+    """n uniform FP32 numbers in [0, 1) for the element indices 0..n-1:
+    u[i] = (lowbias32(lo32(i) ^ key(seed, i >> 32)) >> 8) * 2^-24 (24 bits, exact in FP32)."""
+    out = []
+    for start in range(0, n, 1 << 32):  # one key per 2^32 indices
+        m = min(n - start, 1 << 32)
+        idx = torch.arange(m, dtype=torch.int64, device=device)
+        lo = (idx - (idx >= 1 << 31).long() * (1 << 32)).int()  # uint32 bits as int32
+        h = _lowbias32_i32(lo ^ _s32(hash_key(seed, start >> 32)))
+        out.append(((h >> 8) & 0xFFFFFF).float() * 2.0**-24)
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def random_signs(n, seed, device="cpu"):
+    """A +-1 FP32 vector of length n for a random Hadamard rotation: sign i is - iff the draw
+    u[i] of uniform(seed, n) is >= 0.5."""
+    return torch.where(uniform(seed, n, device) < 0.5, 1.0, -1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hadamard rotations (SPEC 4)
+
+HADAMARD_SIZES = (16, 32, 64, 128)
+
+
+def _fwht(x, n, signs=None):
+    """Blockwise normalized Sylvester Hadamard along the last dim of an FP32 tensor: each
+    n-block b becomes b @ H_n (H_n symmetric). The butterfly order is part of the kernel
+    contract (module docstring)."""
+    shape = x.shape
+    if signs is not None:
+        x = (x.reshape(-1, n) * signs).reshape(shape)
+    x = x.reshape(-1, n)
+    h = 1
+    while h < n:
+        xv = x.view(-1, n // (2 * h), 2, h)
+        y = torch.empty_like(xv)
+        torch.add(xv[:, :, 0], xv[:, :, 1], out=y[:, :, 0])
+        torch.sub(xv[:, :, 0], xv[:, :, 1], out=y[:, :, 1])
+        x = y.view(-1, n)
+        h *= 2
+    return (x * _hadamard_scale(n)).view(shape)
+
+
+def _hadamard_scale(n):
+    return torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32).item()  # FP32-rounded
+
+
+def _check_hadamard(n, signs, k, device):
+    if n not in HADAMARD_SIZES:
+        raise ValueError(f"hadamard size must be one of {HADAMARD_SIZES} (or 0 for none), got {n!r}")
+    if k % n:
+        raise ValueError(f"dim of size {k} is not divisible by the Hadamard size {n}")
+    if signs is not None:
+        if signs.shape != (n,):
+            raise ValueError(f"signs must have shape ({n},), got {tuple(signs.shape)}")
+        if not bool(((signs == 1) | (signs == -1)).all()):
+            raise ValueError("signs must be +1 or -1")
+        signs = signs.to(device=device, dtype=torch.float32)
+    return signs
+
+
+def hadamard(x, n, signs=None, axis=-1):
+    """x with every n-block along `axis` multiplied by H_n (after the +-1 signs, if given).
+    Without signs, applying it twice gives x back (up to FP32 rounding)."""
+    _check_input(x)
+    xm = x.movedim(axis, -1)
+    signs = _check_hadamard(n, signs, xm.shape[-1], x.device)
+    return _fwht(xm.float(), n, signs).to(x.dtype).movedim(-1, axis)
+
+
+def _tree_sum(x):
+    """Sum over the last dim (a power of two) as a halving tree: the kernels' reduction order."""
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x[..., 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Block quantization: quantize / dequantize (SPEC 2-4)
+
+FORMATS = {"mxfp4": 32, "nvfp4": 16}  # block size along the contraction dim
+SCALE_RULES = {"mxfp4": ("absmax", "quest"), "nvfp4": ("absmax", "four_over_six")}
+ROUNDINGS = {"mxfp4": ("rn", "sr"), "nvfp4": ("rn", "sr", "eden")}
+QUEST_SCALE = 0.487079  # MSE-optimal FP4 grid step for a unit Gaussian, 2.92247856 / 6 (SPEC 3)
+EDEN_GROUP = 128  # MS-EDEN correction group (SPEC 4)
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class QTensor:
+    """A block-quantized FP4 tensor. The quantized axis is moved last:
+    codes  uint8 (*lead, K/2), two E2M1 codes a byte, element 2i in the low nibble;
+    scales uint8 (*lead, K/block), E8M0 bits (mxfp4) or E4M3 bits (nvfp4);
+    tensor_scale FP32 0-d tensor (nvfp4) or None; mask: QuEST clip mask packed 8 per byte
+    (bit i of byte j is element 8j+i), (*lead, K/8), or None. shape is the input's shape and
+    axis the input's (non-negative) quantized axis."""
+    codes: torch.Tensor
+    scales: torch.Tensor
+    tensor_scale: torch.Tensor | None
+    fmt: str
+    shape: tuple
+    axis: int
+    mask: torch.Tensor | None = None
+
+    @property
+    def block(self):
+        return FORMATS[self.fmt]
+
+    @property
+    def lead_shape(self):
+        """The shape with the quantized axis moved last: the layout of codes and scales."""
+        s = list(self.shape)
+        return tuple(s[: self.axis] + s[self.axis + 1:] + [s[self.axis]])
+
+    def clip_mask(self):
+        """The QuEST clip mask as a bool tensor in the moved-last layout, or None."""
+        if self.mask is None:
+            return None
+        bits = (self.mask.unsqueeze(-1) >> torch.arange(8, device=self.mask.device, dtype=torch.uint8)) & 1
+        return bits.flatten(-2).bool()
+
+
+def _check_input(x):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"FP4 quantization takes float32, bfloat16 or float16 input, got {x.dtype}")
+    if x.numel() == 0:
+        raise ValueError(f"cannot quantize an empty tensor (shape {tuple(x.shape)})")
+
+
+def _check_options(fmt, scale_rule, rounding, block2d, k, ndim):
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; allowed: {list(FORMATS)}")
+    if scale_rule not in SCALE_RULES[fmt]:
+        raise ValueError(f"scale_rule {scale_rule!r} is not defined for {fmt}; allowed: {SCALE_RULES[fmt]}")
+    if rounding not in ROUNDINGS[fmt]:
+        raise ValueError(f"rounding {rounding!r} is not defined for {fmt}; allowed: {ROUNDINGS[fmt]}")
+    bs = FORMATS[fmt]
+    if k % bs:
+        raise ValueError(f"quantized dim of size {k} is not divisible by the {fmt} block size {bs}")
+    if rounding == "eden" and (k % EDEN_GROUP or scale_rule != "absmax"):
+        raise ValueError(f"rounding 'eden' needs scale_rule 'absmax' and a quantized dim divisible by {EDEN_GROUP}, got {scale_rule!r} and {k}")
+    if block2d and (fmt != "nvfp4" or ndim != 2 or scale_rule != "absmax"):
+        raise ValueError("block2d (16x16 tiles) is defined for 2-D nvfp4 tensors with scale_rule 'absmax'")
+
+
+def quantize(x, fmt="mxfp4", axis=-1, scale_rule="absmax", rounding="rn", hadamard=0, signs=None,
+             seed=0, block2d=False):
+    """Quantize x along `axis` (the GEMM contraction dim) to a QTensor. If hadamard > 0 the
+    blocks are first rotated by H_n (with signs: a random Hadamard). seed drives 'sr'/'eden'."""
+    _check_input(x)
+    if x.is_cuda and kernels_enabled():
+        return _kernel_quantize(x, fmt, axis, scale_rule, rounding, hadamard, signs, seed, block2d)
+    axis = axis % x.ndim
+    xm = x.movedim(axis, -1)
+    k = xm.shape[-1]
+    _check_options(fmt, scale_rule, rounding, block2d, k, x.ndim)
+    if block2d and xm.shape[0] % 16:
+        raise ValueError(f"block2d needs both dims divisible by 16, got {tuple(x.shape)}")
+    xf = xm.reshape(-1, k).float()  # (R, K)
+    if hadamard:
+        xf = _fwht(xf, hadamard, _check_hadamard(hadamard, signs, k, x.device))
+    elif signs is not None:
+        raise ValueError("signs given without a Hadamard size")
+    quant = _quantize_mx if fmt == "mxfp4" else _quantize_nv
+    codes, scales, tscale, mask = quant(xf, scale_rule, rounding, seed, block2d)
+    lead = xm.shape[:-1]
+    mask = None if mask is None else _pack_bits(mask).reshape(*lead, k // 8)
+    return QTensor(pack(codes).reshape(*lead, k // 2), scales.reshape(*lead, -1), tscale, fmt,
+                   tuple(x.shape), axis, mask)
+
+
+def _pack_bits(m):
+    w = 1 << torch.arange(8, device=m.device, dtype=torch.uint8)
+    return (m.reshape(*m.shape[:-1], -1, 8).to(torch.uint8) * w).sum(-1, dtype=torch.uint8)
+
+
+def _round(v, rounding, seed):
+    """v (R, K) -> codes; SR draws use the element index row * K + k."""
+    if rounding == "sr":
+        return e2m1_encode_sr(v, uniform(seed, v.numel(), v.device).view(v.shape))
+    return e2m1_encode(v)
+
+
+def _blocks(xf, bs):
+    return xf.view(xf.shape[0], -1, bs)  # (R, K/bs, bs)
+
+
+def _quantize_mx(xf, scale_rule, rounding, seed, block2d):
+    """MXFP4: scale 2^e per 32-block, e in [-127, 127] stored as E8M0 (SPEC 2-3)."""
+    xb = _blocks(xf, 32)
+    amax = xb.abs().amax(-1)  # (R, K/32); amax propagates NaN
+    bad = ~torch.isfinite(amax)  # NaN/Inf in the block -> NaN scale (SPEC 2)
+    e = _absmax_exponent(amax)
+    if scale_rule == "quest":
+        e = _quest_exponent(xb, e)
+    e = torch.where(bad, 0, e).clamp(-127, 127)
+    scale = torch.where(bad, float("nan"), torch.ldexp(torch.ones_like(amax), e))
+    v = (xb / scale.unsqueeze(-1)).view_as(xf)  # exact power-of-two division; NaN in bad blocks
+    mask = (v.abs() <= 6) if scale_rule == "quest" else None
+    scales = torch.where(bad, E8M0_NAN, e + 127).to(torch.uint8)
+    return _round(v, rounding, seed), scales, None, mask
+
+
+def _absmax_exponent(amax):
+    """Smallest e with amax / 2^e <= 6, exactly (frexp: amax = m 2^E, m in [0.5, 1)).
+    m <= 0.75 -> e = E - 3 (m * 8 <= 6), else e = E - 2. amax = 0 -> -127."""
+    m, E = torch.frexp(amax)
+    e = torch.where(m <= 0.75, E - 3, E - 2)
+    return torch.where(amax == 0, -127, e)
+
+
+def _quest_exponent(xb, e_absmax):
+    """QuEST: 2^floor(log2(0.487079 * sigma)) per block, sigma the block's standard deviation
+    (mean(x^2) - mean(x)^2, halving-tree sums). floor(log2 y) = E - 1 with frexp(y) = (m, E).
+    A constant block (sigma 0) falls back to the absmax exponent."""
+    mean = _tree_sum(xb) * (1 / 32)
+    mean2 = _tree_sum(xb * xb) * (1 / 32)
+    sigma = torch.sqrt((mean2 - mean * mean).clamp(min=0))
+    _, E = torch.frexp(sigma * QUEST_SCALE)
+    return torch.where(sigma > 0, E - 1, e_absmax)
+
+
+def _tensor_scale(block_amax):
+    """NVFP4 tensor scale g = amax / (6 * 448), amax over the finite blocks (a NaN/Inf block
+    must not poison the others); 1 for an all-zero tensor."""
+    finite_amax = torch.where(torch.isfinite(block_amax), block_amax, 0).amax()
+    g = finite_amax / (6 * E4M3_MAX)
+    return torch.where(finite_amax > 0, g, torch.ones_like(g))
+
+
+def _quantize_nv(xf, scale_rule, rounding, seed, block2d):
+    """NVFP4: E4M3 scale per 16-block (or 16x16 tile), FP32 tensor scale g (SPEC 2-4)."""
+    xb = _blocks(xf, 16)
+    amax = xb.abs().amax(-1)  # (R, K/16)
+    bad = ~torch.isfinite(amax)
+    g = _tensor_scale(amax)
+    if block2d:  # one amax per 16x16 tile, repeated on the tile's 16 rows
+        r, c = amax.shape
+        amax = amax.view(r // 16, 16, c).amax(1, keepdim=True).expand(r // 16, 16, c).reshape(r, c)
+        bad = bad.view(r // 16, 16, c).any(1, keepdim=True).expand(r // 16, 16, c).reshape(r, c)
+    s = e4m3_encode(amax / 6 / g)
+    if scale_rule == "four_over_six":
+        s = _four_over_six(xb, amax, s, g)
+    s = torch.where(bad, E4M3_NAN, s)
+    v = _nv_divide(xb, s, g).view_as(xf)  # NaN in bad blocks -> code 0
+    if rounding == "eden":
+        s = torch.where(bad, E4M3_NAN, _eden_scales(xb, e2m1_encode(v), s, g, seed))
+        return e2m1_encode(v), s, g, None
+    return _round(v, rounding, seed), s, g, None
+
+
+def _nv_divide(xb, s, g):
+    """x / (s * g); a zero block scale divides by +inf (every value there rounds to 0)."""
+    denom = e4m3_decode(s) * g
+    denom = torch.where(denom == 0, float("inf"), denom)
+    return xb / denom.unsqueeze(-1)
+
+
+def _nv_dequant_blocks(codes_b, s, g):
+    """(code * s) * g, in that order (kernels do the same)."""
+    return e2m1_decode(codes_b) * e4m3_decode(s).unsqueeze(-1) * g
+
+
+def _four_over_six(xb, amax, s6, g):
+    """Quartet II / four-over-six: per 16-block keep the scale mapping amax to 6 or to 4,
+    whichever gives the smaller squared error (halving-tree sums; a tie keeps 6)."""
+    s4 = e4m3_encode(amax / 4 / g)
+    errs = []
+    for s in (s6, s4):
+        q = e2m1_encode(_nv_divide(xb, s, g))
+        d = xb - _nv_dequant_blocks(q, s, g)
+        errs.append(_tree_sum(d * d))
+    return torch.where(errs[1] < errs[0], s4, s6)
+
+
+def _eden_scales(xb, codes, s, g, seed):
+    """MS-EDEN (SPEC 4): per 128-group the correction c = sum(x^2) / sum(x q) of the RN values q,
+    folded into the group's E4M3 block scales with stochastic rounding. Draws: uniform(seed,
+    block index), block index = row * (K/16) + block."""
+    r, nb, _ = xb.shape
+    q = _nv_dequant_blocks(codes.view_as(xb), s, g)
+    xg, qg = xb.reshape(r, -1, EDEN_GROUP), q.reshape(r, -1, EDEN_GROUP)
+    num, den = _tree_sum(xg * xg), _tree_sum(xg * qg)  # (R, K/128)
+    c = num / den
+    c = torch.where(torch.isfinite(c) & (den > 0), c, torch.ones_like(c))  # zero or non-finite group
+    t = e4m3_decode(s) * c.repeat_interleave(EDEN_GROUP // 16, dim=-1)  # (R, K/16)
+    return e4m3_encode_sr(t, uniform(seed, r * nb, xb.device).view(r, nb))
+
+
+def dequantize(q, dtype=torch.float32):
+    """QTensor -> tensor of the input's shape (still rotated if a Hadamard was applied)."""
+    if q.codes.is_cuda and kernels_enabled():
+        return _kernel_dequantize(q, dtype)
+    k = q.lead_shape[-1]
+    codes = unpack(q.codes).reshape(-1, k // q.block, q.block)
+    scales = q.scales.reshape(codes.shape[:-1])
+    if q.fmt == "mxfp4":
+        v = e2m1_decode(codes) * e8m0_decode(scales).unsqueeze(-1)
+    else:
+        v = _nv_dequant_blocks(codes, scales, q.tensor_scale)
+    return v.reshape(q.lead_shape).movedim(-1, q.axis).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Blackwell scale layout (SPEC 7): cuBLAS's 1D block-scaling-factor layout of 128x4 tiles
+
+def swizzle_scales(scales):
+    """(R, C) uint8 block scales -> the flat swizzled layout cuBLAS reads for FP4 GEMMs.
+    Pads R to a multiple of 128 and C to a multiple of 4 with zeros; returns (R_pad * C_pad,)."""
+    r, c = scales.shape
+    rp, cp = -(-r // 128) * 128, -(-c // 4) * 4
+    padded = torch.zeros(rp, cp, dtype=scales.dtype, device=scales.device)
+    padded[:r, :c] = scales
+    tiles = padded.view(rp // 128, 128, cp // 4, 4).permute(0, 2, 1, 3)
+    return tiles.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1)
+
+
+def unswizzle_scales(flat, r, c):
+    """Inverse of swizzle_scales: the flat swizzled buffer -> (r, c)."""
+    rp, cp = -(-r // 128) * 128, -(-c // 4) * 4
+    tiles = flat.view(-1, 32, 4, 4).transpose(1, 2).reshape(rp // 128, cp // 4, 128, 4)
+    return tiles.permute(0, 2, 1, 3).reshape(rp, cp)[:r, :c]
+
+
+# ---------------------------------------------------------------------------------------------
+# The backward's re-quantization and the Hopper fold (SPEC 5, 7)
+
+def requantize(q, fmt=None, scale_rule="absmax", rounding="sr", hadamard=0, signs=None, seed=0):
+    """Dequantize a 2-D QTensor and quantize it along its other axis: the Quartet backward's
+    step (dequantize, transpose, random Hadamard, stochastic rounding), without a BF16 copy."""
+    if len(q.shape) != 2:
+        raise ValueError(f"requantize takes a 2-D QTensor, got shape {q.shape}")
+    fmt = fmt or q.fmt
+    if q.codes.is_cuda and kernels_enabled():
+        return _kernel_requantize(q, fmt, scale_rule, rounding, hadamard, signs, seed)
+    return quantize(dequantize(q), fmt, 1 - q.axis, scale_rule, rounding, hadamard, signs, seed)
+
+
+def fold_mx(q):
+    """MXFP4 -> FP8 for Hopper's tensor cores (SPEC 7): element = code * 2^(e_block - e_rowmax)
+    rounded to E4M3 (exact while a row's block exponents span <= 8 binades), row scale
+    2^e_rowmax in FP32 (NaN if a block of the row is NaN). Returns ((R, K) float8_e4m3fn, (R,) FP32)
+    with R the product of the lead dims."""
+    if q.fmt != "mxfp4":
+        raise ValueError(f"fold_mx takes an mxfp4 QTensor, got {q.fmt}")
+    if q.codes.is_cuda and kernels_enabled():
+        return _kernel_fold(q)
+    k = q.lead_shape[-1]
+    codes = unpack(q.codes).reshape(-1, k // 32, 32)
+    nan_block = q.scales.reshape(codes.shape[:-1]) == E8M0_NAN
+    e = torch.where(nan_block, -127, q.scales.reshape(codes.shape[:-1]).int() - 127)  # (R, K/32)
+    e_row = e.amax(-1)
+    rel = torch.ldexp(torch.ones_like(e, dtype=torch.float32), e - e_row.unsqueeze(-1))
+    elems = (e2m1_decode(codes) * rel.unsqueeze(-1)).reshape(-1, k).to(torch.float8_e4m3fn)
+    row = torch.ldexp(torch.ones_like(e_row, dtype=torch.float32), e_row)
+    return elems, torch.where(nan_block.any(-1), float("nan"), row)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA kernels (kernels.cu through CuPy): dispatch. FP4_KERNELS=torch forces the reference.
+
+def kernels_enabled():
+    """True when CUDA tensors should go through kernels.cu (CuPy importable, not overridden)."""
+    return os.environ.get("FP4_KERNELS", "cuda") != "torch" and _cupy() is not None
+
+
+def _cupy():
+    try:
+        import cupy
+        return cupy
+    except Exception:  # ImportError, or a CuPy that finds no CUDA driver
+        return None
+
+
+def _kernel_quantize(x, fmt, axis, scale_rule, rounding, hadamard, signs, seed, block2d):
+    raise NotImplementedError("CUDA kernels: not yet")
+
+
+def _kernel_dequantize(q, dtype):
+    raise NotImplementedError("CUDA kernels: not yet")
+
+
+def _kernel_requantize(q, fmt, scale_rule, rounding, hadamard, signs, seed):
+    raise NotImplementedError("CUDA kernels: not yet")
+
+
+def _kernel_fold(q):
+    raise NotImplementedError("CUDA kernels: not yet")
