@@ -203,10 +203,14 @@ def _fwht(x, n, signs=None):
     h = 1
     while h < n:
         xv = x.view(-1, n // (2 * h), 2, h)
-        y = torch.empty_like(xv)
-        torch.add(xv[:, :, 0], xv[:, :, 1], out=y[:, :, 0])
-        torch.sub(xv[:, :, 0], xv[:, :, 1], out=y[:, :, 1])
-        x = y.view(-1, n)
+        a, b = xv[:, :, 0], xv[:, :, 1]
+        if x.requires_grad:  # differentiable path
+            y = torch.stack((a + b, a - b), dim=2)
+        else:  # no temporaries: write both halves in place
+            y = torch.empty_like(xv)
+            torch.add(a, b, out=y[:, :, 0])
+            torch.sub(a, b, out=y[:, :, 1])
+        x = y.reshape(-1, n)
         h *= 2
     return (x * _hadamard_scale(n)).view(shape)
 
@@ -324,7 +328,7 @@ def quantize(x, fmt="mxfp4", axis=-1, scale_rule="absmax", rounding="rn", hadama
     if x.is_cuda and kernels_enabled():
         return _kernel_quantize(x, fmt, axis, scale_rule, rounding, hadamard, signs, seed, block2d)
     axis = axis % x.ndim
-    xm = x.movedim(axis, -1)
+    xm = x.detach().movedim(axis, -1)
     k = xm.shape[-1]
     _check_options(fmt, scale_rule, rounding, block2d, k, x.ndim)
     if block2d and xm.shape[0] % 16:
@@ -527,6 +531,316 @@ def fold_mx(q):
     elems = (e2m1_decode(codes) * rel.unsqueeze(-1)).reshape(-1, k).to(torch.float8_e4m3fn)
     row = torch.ldexp(torch.ones_like(e_row, dtype=torch.float32), e_row)
     return elems, torch.where(nan_block.any(-1), float("nan"), row)
+
+
+def transpose_2d(q):
+    """The QTensor of W^T for a 2-D QTensor quantized with 16x16 tiles (block2d): the same codes,
+    transposed, and the tile scales transposed. No rounding happens (SPEC 5, nvfp4 recipe)."""
+    r, k = q.lead_shape
+    codes = unpack(q.codes).t().contiguous()  # (K, R)
+    tiles = q.scales.view(r // 16, 16, k // 16)[:, 0]  # (R/16, K/16): one scale per tile
+    scales = tiles.t().repeat_interleave(16, dim=0).contiguous()  # (K, R/16)
+    return QTensor(pack(codes), scales, q.tensor_scale, q.fmt, q.shape, 1 - q.axis, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMM backends: mm(a, b) = dequantize(a) @ dequantize(b).T (SPEC 7, DESIGN "Backends")
+
+MM_BACKENDS = ("emulated", "bf16", "fp8", "native")
+# Hopper's FP8 tensor cores with use_fast_accum keep partial sums in a narrower accumulator.
+# Every folded MXFP4 element is m * 2^(d - 1), m an integer <= 12, d >= -span (the row's block-
+# exponent span), so products are multiples of 2^(-2 - span_a - span_b) and at most 36 in size:
+# every partial sum is exact while K * 144 * 2^(span_a + span_b) <= 2^FAST_ACCUM_BITS. The
+# accumulator's width was measured on the H200 (bench.py --sections accum); 0 disables fast mode.
+FAST_ACCUM_BITS = int(os.environ.get("FP4_FAST_ACCUM_BITS", "0"))
+
+
+def mm(a, b, out_dtype=torch.bfloat16, backend=None):
+    """dequantize(a) @ dequantize(b).T for QTensors a (M, K) and b (N, K) quantized along K."""
+    _check_mm(a, b)
+    backend = backend or mm_backend(a.fmt, a.codes.device)
+    if backend not in MM_BACKENDS:
+        raise ValueError(f"unknown mm backend {backend!r}; allowed: {MM_BACKENDS}")
+    if backend == "emulated":
+        return (_dequantize_lead(a) @ _dequantize_lead(b).t()).to(out_dtype)
+    if not a.codes.is_cuda:
+        raise ValueError(f"mm backend {backend!r} needs CUDA tensors; use 'emulated' on the CPU")
+    return {"bf16": _mm_bf16, "fp8": _mm_fp8, "native": _mm_native}[backend](a, b, out_dtype)
+
+
+def _check_mm(a, b):
+    if not (isinstance(a, QTensor) and isinstance(b, QTensor)):
+        raise TypeError("mm takes two QTensors")
+    if a.fmt != b.fmt:
+        raise ValueError(f"mm operands must share a format, got {a.fmt} and {b.fmt}")
+    if len(a.lead_shape) != 2 or len(b.lead_shape) != 2 or a.lead_shape[1] != b.lead_shape[1]:
+        raise ValueError(f"mm needs (M, K) and (N, K) operands quantized along K, got {a.lead_shape} and {b.lead_shape}")
+    if a.codes.device != b.codes.device:
+        raise ValueError(f"mm operands are on {a.codes.device} and {b.codes.device}")
+
+
+def mm_backend(fmt, device):
+    """The backend mm uses by default: FP4_BACKEND if set, else by device and format."""
+    forced = os.environ.get("FP4_BACKEND")
+    if forced:
+        if forced not in MM_BACKENDS:
+            raise ValueError(f"FP4_BACKEND={forced!r} is not one of {MM_BACKENDS}")
+        return forced
+    if torch.device(device).type != "cuda":
+        return "emulated"
+    cc = torch.cuda.get_device_capability(device)
+    if cc[0] in (10, 12):
+        return "native"
+    if cc == (9, 0) and fmt == "mxfp4":
+        return "fp8"
+    return "bf16"
+
+
+def _dequantize_lead(q, dtype=torch.float32):
+    """Dequantized values in the QTensor's layout (quantized axis last)."""
+    return dequantize(q, dtype).movedim(q.axis, -1)
+
+
+def _mm_bf16(a, b, out_dtype):
+    """Exact operands in BF16: MXFP4 values code * 2^e, NVFP4 values code * s (<= 6 significant
+    bits; the tensor scales g multiply the FP32-accumulated product instead)."""
+    if a.fmt == "mxfp4":
+        return (_dequantize_lead(a, torch.bfloat16) @ _dequantize_lead(b, torch.bfloat16).t()).to(out_dtype)
+    one = torch.ones((), device=a.codes.device)
+    a1 = _dequantize_lead(QTensor(a.codes, a.scales, one, a.fmt, a.shape, a.axis), torch.bfloat16)
+    b1 = _dequantize_lead(QTensor(b.codes, b.scales, one, b.fmt, b.shape, b.axis), torch.bfloat16)
+    y = torch.mm(a1, b1.t(), out_dtype=torch.float32) if _MM_OUT_DTYPE else (a1 @ b1.t()).float()
+    return (y * (a.tensor_scale * b.tensor_scale)).to(out_dtype)
+
+
+_MM_OUT_DTYPE = "out_dtype" in (torch.mm.__doc__ or "")  # torch.mm(..., out_dtype=) exists
+
+
+def fast_accum_ok(a, b):
+    """Whether fp8 fast accumulation is exact for these operands (the bound above)."""
+    if FAST_ACCUM_BITS <= 0:
+        return False
+    k = a.lead_shape[1]
+    return k * 144 * 2.0 ** (_exponent_span(a) + _exponent_span(b)) <= 2.0**FAST_ACCUM_BITS
+
+
+def _exponent_span(q):
+    e = q.scales.view(q.scales.shape[0], -1).int()
+    e = torch.where(e == E8M0_NAN, 0, e)
+    return int((e.amax(-1) - e.amin(-1)).max())
+
+
+def _mm_fp8(a, b, out_dtype):
+    """Hopper: MXFP4 folded into E4M3 + FP32 row scales, row-wise scaled FP8 GEMM (SPEC 7)."""
+    if a.fmt != "mxfp4":
+        return _mm_bf16(a, b, out_dtype)
+    a8, sa = fold_mx(a)
+    b8, sb = fold_mx(b)
+    return torch._scaled_mm(a8, b8.t(), scale_a=sa.unsqueeze(1), scale_b=sb.unsqueeze(0),
+                            out_dtype=out_dtype, use_fast_accum=fast_accum_ok(a, b))
+
+
+def native_args(a, b):
+    """The operands of a Blackwell FP4 GEMM through torch.nn.functional.scaled_mm: packed codes
+    viewed as float4_e2m1fn_x2, b transposed (column-major), block scales in cuBLAS's swizzled
+    128x4 layout as E8M0 (mxfp4, 1x32) or E4M3 (nvfp4, 1x16). Built on any device (tested on CPU)."""
+    from torch.nn.functional import ScalingType, SwizzleType
+    sdtype = torch.float8_e8m0fnu if a.fmt == "mxfp4" else torch.float8_e4m3fn
+    recipe = ScalingType.BlockWise1x32 if a.fmt == "mxfp4" else ScalingType.BlockWise1x16
+    sa = swizzle_scales(a.scales).view(sdtype)
+    sb = swizzle_scales(b.scales).view(sdtype)
+    return dict(mat_a=a.codes.view(torch.float4_e2m1fn_x2), mat_b=b.codes.view(torch.float4_e2m1fn_x2).t(),
+                scale_a=sa, scale_recipe_a=recipe, scale_b=sb, scale_recipe_b=recipe,
+                swizzle_a=SwizzleType.SWIZZLE_32_4_4, swizzle_b=SwizzleType.SWIZZLE_32_4_4)
+
+
+def _mm_native(a, b, out_dtype):
+    """Blackwell (sm_100 / sm_120) native FP4 GEMM. NOT YET RUN ON HARDWARE (see README)."""
+    y = torch.nn.functional.scaled_mm(**native_args(a, b), output_dtype=torch.float32)
+    if a.fmt == "nvfp4":
+        y = y * (a.tensor_scale * b.tensor_scale)
+    return y.to(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP4 linear layers: the recipes (SPEC 5), all three GEMMs in FP4
+
+# How each operand of each GEMM is quantized. Forward: Y = Q(X) Q(W)^T (contraction over K).
+# Backward: dgrad dX = E W (contraction over N), wgrad dW = E^T X (contraction over M, tokens);
+# "requant" re-quantizes the forward's saved FP4 tensor along the other axis, "transpose" reuses
+# 16x16-tile codes as they are. The two operands of a GEMM share their random Hadamard signs.
+_Q, _SR32 = dict(scale_rule="quest", rounding="rn", hadamard=32), dict(rounding="sr", hadamard=32)
+_EDEN = dict(rounding="eden", hadamard=128)
+RECIPES = {
+    "bf16": None,  # plain nn.Linear, for comparison
+    "quartet": dict(fmt="mxfp4", x=_Q, w=_Q, dgrad_e=_SR32, dgrad_w=_SR32, wgrad_e=_SR32,
+                    wgrad_x=_SR32, rotate_back=32),
+    "nvfp4": dict(fmt="nvfp4", x=dict(), w=dict(block2d=True), dgrad_e=dict(rounding="sr"),
+                  dgrad_w="transpose", wgrad_e=dict(rounding="sr", hadamard=16),
+                  wgrad_x=dict(rounding="rn", hadamard=16), rotate_back=0),
+    "quartet2": dict(fmt="nvfp4", x=dict(scale_rule="four_over_six"), w=dict(scale_rule="four_over_six"),
+                     dgrad_e=_EDEN, dgrad_w=_EDEN, wgrad_e=_EDEN, wgrad_x=_EDEN, rotate_back=0),
+}
+
+
+def _recipe(name):
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; allowed: {list(RECIPES)}")
+    return RECIPES[name]
+
+
+def _dim_multiple(recipe):
+    """What every GEMM dim (in, out and tokens) must be divisible by under a recipe."""
+    r = _recipe(recipe)
+    if r is None:
+        return 1
+    specs = [r[k] for k in ("x", "w", "dgrad_e", "dgrad_w", "wgrad_e", "wgrad_x") if isinstance(r[k], dict)]
+    return max([FORMATS[r["fmt"]]] + [s.get("hadamard", 0) for s in specs] +
+               [EDEN_GROUP for s in specs if s.get("rounding") == "eden"])
+
+
+def _flat(q):
+    """QTensor -> (codes, scales, mask, tensor_scale) with (fresh) empty tensors for None."""
+    dev = q.codes.device
+    mask = q.mask if q.mask is not None else torch.empty(0, dtype=torch.uint8, device=dev)
+    ts = q.tensor_scale if q.tensor_scale is not None else torch.empty(0, device=dev)
+    return q.codes, q.scales, mask, ts
+
+
+def _unflat(codes, scales, mask, ts, fmt, shape):
+    return QTensor(codes, scales, ts if ts.numel() else None, fmt, tuple(shape), 1,
+                   mask if mask.numel() else None)
+
+
+@torch.library.custom_op("fp4::linear_fwd", mutates_args=())
+def _linear_fwd(x: torch.Tensor, w: torch.Tensor, recipe: str, out_dtype: torch.dtype) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Y (M, N) = Q(X) Q(W)^T for X (M, K), W (N, K); also returns the FP4 tensors the backward
+    re-quantizes (codes, scales, mask, tensor scale of X, then of W) instead of BF16 copies."""
+    r = RECIPES[recipe]
+    qx = quantize(x, r["fmt"], **r["x"])
+    qw = quantize(w, r["fmt"], **r["w"])
+    return (mm(qx, qw, out_dtype),) + _flat(qx) + _flat(qw)
+
+
+@_linear_fwd.register_fake
+def _(x, w, recipe, out_dtype):
+    r, (m, k), n = RECIPES[recipe], x.shape, w.shape[0]
+    bs, masked = FORMATS[r["fmt"]], r["x"].get("scale_rule") == "quest"
+    def saved(rows):
+        u8 = dict(dtype=torch.uint8)
+        mask = x.new_empty(rows, k // 8, **u8) if masked else x.new_empty(0, **u8)
+        ts = x.new_empty((), dtype=torch.float32) if r["fmt"] == "nvfp4" else x.new_empty(0, dtype=torch.float32)
+        return x.new_empty(rows, k // 2, **u8), x.new_empty(rows, k // bs, **u8), mask, ts
+    return (x.new_empty(m, n, dtype=out_dtype),) + saved(m) + saved(n)
+
+
+@torch.library.custom_op("fp4::linear_bwd", mutates_args=())
+def _linear_bwd(e: torch.Tensor, xc: torch.Tensor, xs: torch.Tensor, xm: torch.Tensor, xg: torch.Tensor,
+                wc: torch.Tensor, ws: torch.Tensor, wm: torch.Tensor, wg: torch.Tensor, recipe: str,
+                x_dtype: torch.dtype, w_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """dX = E Q(W) and dW = E^T Q(X), both GEMMs on FP4 operands. Fresh seeds and Hadamard signs
+    on every call, drawn from torch's default generator (so a checkpointed RNG resumes exactly)."""
+    r = RECIPES[recipe]
+    (m, n), k = e.shape, xc.shape[1] * 2
+    qx = _unflat(xc, xs, xm, xg, r["fmt"], (m, k))
+    qw = _unflat(wc, ws, wm, wg, r["fmt"], (n, k))
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    dx = _grad_gemm(e, qw, r, "dgrad", seed, axis=1)  # (M, K): contraction over N
+    dw = _grad_gemm(e, qx, r, "wgrad", seed + 1, axis=0)  # (N, K): contraction over M
+    if r["rotate_back"]:  # quartet: straight-through with the clip mask, then undo the rotation
+        dx = hadamard(dx * qx.clip_mask(), r["rotate_back"])
+        dw = hadamard(dw * qw.clip_mask(), r["rotate_back"])
+    return dx.to(x_dtype), dw.to(w_dtype)
+
+
+@_linear_bwd.register_fake
+def _(e, xc, xs, xm, xg, wc, ws, wm, wg, recipe, x_dtype, w_dtype):
+    k = xc.shape[1] * 2
+    return e.new_empty(e.shape[0], k, dtype=x_dtype), e.new_empty(e.shape[1], k, dtype=w_dtype)
+
+
+def _grad_gemm(e, saved, r, which, seed, axis):
+    """One backward GEMM: E quantized along `axis` (N for dgrad, M for wgrad) against the saved
+    forward operand re-quantized along the same dim, with shared random signs."""
+    fmt, spec_e, spec_s = r["fmt"], r[which + "_e"], r[which + ("_w" if which == "dgrad" else "_x")]
+    n = spec_e.get("hadamard", 0)
+    signs = random_signs(n, seed, e.device) if n else None
+    qe = quantize(e, fmt, axis=axis, seed=seed, signs=signs, **spec_e)
+    if spec_s == "transpose":
+        qs = transpose_2d(saved)
+    else:
+        qs = requantize(saved, fmt, seed=seed + 7919, signs=signs, **spec_s)
+    return mm(qe, qs, torch.float32)
+
+
+def _linear_setup(ctx, inputs, output):
+    x, w, recipe, _ = inputs
+    ctx.recipe, ctx.x_dtype, ctx.w_dtype = recipe, x.dtype, w.dtype
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(*output[1:])
+
+
+def _linear_backward(ctx, grad_y, *_):
+    dx, dw = _linear_bwd(grad_y.contiguous(), *ctx.saved_tensors, ctx.recipe, ctx.x_dtype, ctx.w_dtype)
+    return dx, dw, None, None
+
+
+torch.library.register_autograd("fp4::linear_fwd", _linear_backward, setup_context=_linear_setup)
+
+
+class FP4Linear(torch.nn.Linear):
+    """nn.Linear whose forward, input-gradient and weight-gradient GEMMs run on FP4 operands
+    under `recipe` (RECIPES). Same parameters and state_dict as nn.Linear."""
+
+    def __init__(self, in_features, out_features, bias=False, recipe="quartet", device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        mult = _dim_multiple(recipe)
+        if in_features % mult or out_features % mult:
+            raise ValueError(f"recipe {recipe!r} needs in and out features divisible by {mult}, got {in_features}->{out_features}")
+        self.recipe = recipe
+
+    def forward(self, x):
+        if self.recipe == "bf16":
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        x2 = x.reshape(-1, self.in_features)  # (M, K), M = tokens
+        if x2.shape[0] % _dim_multiple(self.recipe):
+            raise ValueError(f"recipe {self.recipe!r} needs the token count (batch * seq = {x2.shape[0]}) divisible by {_dim_multiple(self.recipe)}")
+        out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        y = _linear_fwd(x2.to(out_dtype) if x2.dtype != out_dtype else x2, self.weight, self.recipe, out_dtype)[0]
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y + self.bias.to(y.dtype) if self.bias is not None else y
+
+    def extra_repr(self):
+        return super().extra_repr() + f", recipe={self.recipe}"
+
+
+def to_fp4(model, recipe="quartet", skip=None):
+    """Swap every nn.Linear in `model` for an FP4Linear (same Parameters), in place. skip is a
+    callable skip(name, module) -> bool, or an iterable of name substrings to leave alone."""
+    _recipe(recipe)
+    if skip is not None and not callable(skip):
+        names = tuple(skip)
+        skip = lambda name, _: any(s in name for s in names)  # noqa: E731
+    for name, mod in list(model.named_modules()):
+        for child_name, child in list(mod.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if type(child) is not torch.nn.Linear or (skip and skip(full, child)):
+                continue
+            new = FP4Linear(child.in_features, child.out_features, child.bias is not None, recipe,
+                            device="meta")
+            new.weight, new.bias = child.weight, child.bias
+            setattr(mod, child_name, new)
+    return model
+
+
+def backends(device=None):
+    """What this machine uses: the quantization path and the mm backend per format."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    quant = "cuda" if dev.type == "cuda" and kernels_enabled() else "torch"
+    return {"device": str(dev), "quantize": quant, "mm": mm_backend("mxfp4", dev),
+            "mm_nvfp4": mm_backend("nvfp4", dev), "fast_accum_bits": FAST_ACCUM_BITS}
 
 
 # ---------------------------------------------------------------------------------------------
