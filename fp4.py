@@ -268,7 +268,8 @@ class QTensor:
     scales uint8 (*lead, K/block), E8M0 bits (mxfp4) or E4M3 bits (nvfp4);
     tensor_scale FP32 0-d tensor (nvfp4) or None; mask: QuEST clip mask packed 8 per byte
     (bit i of byte j is element 8j+i), (*lead, K/8), or None. shape is the input's shape and
-    axis the input's (non-negative) quantized axis."""
+    axis the input's (non-negative) quantized axis. folded: the Hopper fold (fold_mx) when a
+    kernel emitted it together with the codes, else None."""
     codes: torch.Tensor
     scales: torch.Tensor
     tensor_scale: torch.Tensor | None
@@ -276,6 +277,7 @@ class QTensor:
     shape: tuple
     axis: int
     mask: torch.Tensor | None = None
+    folded: tuple | None = None
 
     @property
     def block(self):
@@ -520,6 +522,8 @@ def fold_mx(q):
     with R the product of the lead dims."""
     if q.fmt != "mxfp4":
         raise ValueError(f"fold_mx takes an mxfp4 QTensor, got {q.fmt}")
+    if q.folded is not None:
+        return q.folded
     if q.codes.is_cuda and kernels_enabled():
         return _kernel_fold(q)
     k = q.lead_shape[-1]
@@ -750,9 +754,23 @@ def _linear_bwd(e: torch.Tensor, xc: torch.Tensor, xs: torch.Tensor, xm: torch.T
     dx = _grad_gemm(e, qw, r, "dgrad", seed, axis=1)  # (M, K): contraction over N
     dw = _grad_gemm(e, qx, r, "wgrad", seed + 1, axis=0)  # (N, K): contraction over M
     if r["rotate_back"]:  # quartet: straight-through with the clip mask, then undo the rotation
-        dx = hadamard(dx * qx.clip_mask(), r["rotate_back"])
-        dw = hadamard(dw * qw.clip_mask(), r["rotate_back"])
+        dx, dw = _rotate_back(dx, qx, r["rotate_back"]), _rotate_back(dw, qw, r["rotate_back"])
     return dx.to(x_dtype), dw.to(w_dtype)
+
+
+def _rotate_back(d, q, n):
+    """(dL/d(XH) * m) H^T (SPEC 5): the straight-through estimator with QuEST's clip mask, then
+    the inverse rotation (H is symmetric). On a GPU the rotation is one memory-bound GEMM with
+    K = n; a gradient is not a quantizer output, so it need not match the butterfly bit for bit."""
+    d = d * q.clip_mask()
+    if d.is_cuda:
+        return (d.view(-1, n) @ _hadamard_matrix(n, d.device, d.dtype)).view(d.shape)
+    return hadamard(d, n)
+
+
+@functools.cache
+def _hadamard_matrix(n, device, dtype):
+    return _fwht(torch.eye(n), n).to(device=device, dtype=dtype)
 
 
 @_linear_bwd.register_fake
@@ -772,7 +790,7 @@ def _grad_gemm(e, saved, r, which, seed, axis):
         qs = transpose_2d(saved)
     else:
         qs = requantize(saved, fmt, seed=seed + 7919, signs=signs, **spec_s)
-    return mm(qe, qs, torch.float32)
+    return mm(qe, qs, e.dtype)
 
 
 def _linear_setup(ctx, inputs, output):
@@ -859,17 +877,169 @@ def _cupy():
         return None
 
 
+import functools  # (kept in this section: the kernel dispatch is its only user)
+
+_KERNELS_CU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cu")
+_NVRTC_OPTIONS = ("-std=c++17", "--fmad=false")  # no FMA contraction: the reference has none
+_SRC_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "mxfp4": 3, "nvfp4": 4}
+_RULE_ID = {"absmax": 0, "quest": 1, "four_over_six": 2}
+_ROUND_ID = {"rn": 0, "sr": 1, "eden": 2}
+_TILE_R = 128  # quant_cols' tile: 128 rows (the quantized axis) x 32 columns
+
+
+@functools.cache
+def _kernel_function(device_index, name):
+    """One kernels.cu template instantiation (e.g. 'quant_rows<1, 32, false, 1, 0>'), compiled by
+    NVRTC once per device and process (CuPy also caches the binary on disk)."""
+    cp = _cupy()
+    with open(_KERNELS_CU) as f:
+        code = f.read()
+    with cp.cuda.Device(device_index):
+        module = cp.RawModule(code=code, options=_NVRTC_OPTIONS, name_expressions=(name,))
+        return module.get_function(name)
+
+
+def _launch(device, name, grid, block, args):
+    """Launch on torch's current stream of `device`; args are numpy scalars (pointers as uint64)."""
+    cp = _cupy()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fn = _kernel_function(index, name)
+    with cp.cuda.Device(index), cp.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream):
+        fn(grid, block, args)
+
+
+def _ptr(t):
+    import numpy as np
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def _aligned(t):
+    return t.is_contiguous() and t.data_ptr() % 16 == 0
+
+
+def _sign_words(signs):
+    """+-1 signs (n,) -> int32 words on the device, bit i of word w set iff sign 32w + i is -1."""
+    bits = (signs < 0).to(torch.int64)
+    bits = torch.nn.functional.pad(bits, (0, -len(bits) % 32)).view(-1, 32)
+    words = (bits << torch.arange(32, device=bits.device)).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, signs, seed, block2d):
+    """Run quant_rows (kind 'rows': quantize the (r, k) row-major src along k) or quant_cols
+    (kind 'cols': along r; src dense (r, k), or qin a QTensor whose codes (r, k/2) are the input).
+    Returns codes, scales, tensor scale, mask in the QTensor layout (rows, K) of the output."""
+    import numpy as np
+    dev = src.device
+    bs = FORMATS[fmt]
+    nv = fmt == "nvfp4"
+    rows, kq = (r, k) if kind == "rows" else (k, r)  # output layout: quantized axis kq last
+    g_size = max(bs, hadamard, EDEN_GROUP if rounding == "eden" else 0)
+    src_kind = _SRC_KIND[src.dtype] if qin is None else _SRC_KIND[qin.fmt]
+    codes = torch.empty(rows, kq // 2, dtype=torch.uint8, device=dev)
+    scales = torch.empty(rows, kq // bs, dtype=torch.uint8, device=dev)
+    mask = torch.empty(rows, kq // 8, dtype=torch.uint8, device=dev) if scale_rule == "quest" else None
+    signw = _sign_words(signs) if signs is not None else None
+    amax = torch.zeros(1, dtype=torch.int32, device=dev) if nv else None
+    tiles = torch.zeros(rows // 16, kq // 16, dtype=torch.int32, device=dev) if block2d else None
+    g = None
+    name = (f"{'quant_rows' if kind == 'rows' else 'quant_cols'}<{src_kind}, {g_size}, {str(nv).lower()}, "
+            f"{_RULE_ID[scale_rule]}, {_ROUND_ID[rounding]}>")
+    if kind == "rows":
+        n = r * (k // g_size)
+        if n >= 1 << 32:
+            raise ValueError(f"tensor too large for the quantize kernel ({r} x {k})")
+        grid, block = (min(-(-n // 256), 1 << 20),), (256,)
+        head = (_ptr(src), np.uint32(r), np.uint32(k))
+    else:
+        if -(-r // _TILE_R) > 65535:
+            raise ValueError(f"quantized dim {r} too large for the transposing kernel")
+        grid, block = (-(-k // 32), -(-r // _TILE_R)), (32 * _TILE_R // g_size,)
+        head = (_ptr(src), _ptr(None if qin is None else qin.scales),
+                _ptr(None if qin is None else qin.tensor_scale), np.uint32(r), np.uint32(k))
+    hs = np.float32(_hadamard_scale(hadamard) if hadamard else 0.0)
+
+    def args(pass_, g_):
+        return head + (np.int32(hadamard), hs, _ptr(signw), np.uint32(seed & _M32), np.uint32(hash_key(seed, 0)),
+                       np.int32(pass_), _ptr(codes), _ptr(scales), _ptr(mask), _ptr(g_), _ptr(amax), _ptr(tiles))
+
+    if nv:  # pre-pass: amax over the finite (rotated) blocks -> g (fp4._tensor_scale); tile amax
+        _launch(dev, name, grid, block, args(1, None))
+        finite_amax = amax.view(torch.float32).reshape(())
+        g = finite_amax / (6 * E4M3_MAX)
+        g = torch.where(finite_amax > 0, g, torch.ones_like(g))
+    _launch(dev, name, grid, block, args(0, g))
+    return codes, scales, g, mask
+
+
 def _kernel_quantize(x, fmt, axis, scale_rule, rounding, hadamard, signs, seed, block2d):
-    raise NotImplementedError("CUDA kernels: not yet")
+    """fp4.quantize through quant_rows / quant_cols (same checks and errors as the reference)."""
+    axis = axis % x.ndim
+    xm = x.detach().movedim(axis, -1)
+    k = xm.shape[-1]
+    _check_options(fmt, scale_rule, rounding, block2d, k, x.ndim)
+    if block2d and xm.shape[0] % 16:
+        raise ValueError(f"block2d needs both dims divisible by 16, got {tuple(x.shape)}")
+    if hadamard:
+        signs = _check_hadamard(hadamard, signs, k, x.device)
+    elif signs is not None:
+        raise ValueError("signs given without a Hadamard size")
+    lead = xm.shape[:-1]
+    r = xm.numel() // k
+    xt = x.detach()
+    if x.ndim == 2 and axis == 0 and not _aligned(xm) and _aligned(xt):
+        codes, scales, g, mask = _quant_launch("cols", xt, None, k, r, fmt, scale_rule, rounding,
+                                               hadamard, signs, seed, block2d)
+    else:
+        src = xm if _aligned(xm) else xm.contiguous()
+        src = src if _aligned(src) else src.clone()  # a view at an odd offset: realign
+        codes, scales, g, mask = _quant_launch("rows", src, None, r, k, fmt, scale_rule, rounding,
+                                               hadamard, signs, seed, block2d)
+    mask = None if mask is None else mask.view(*lead, k // 8)
+    return QTensor(codes.view(*lead, k // 2), scales.view(*lead, -1), g, fmt, tuple(x.shape), axis, mask)
 
 
 def _kernel_dequantize(q, dtype):
-    raise NotImplementedError("CUDA kernels: not yet")
+    """fp4.dequantize through the dequant kernel (f32, bf16, f16 written directly)."""
+    import numpy as np
+    lead = q.lead_shape
+    k = lead[-1]
+    r = q.codes.numel() * 2 // k
+    out_kind = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)
+    out = torch.empty(lead, dtype=dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32,
+                      device=q.codes.device)
+    n = r * k // 8
+    _launch(q.codes.device, f"dequant<{out_kind}>", (min(-(-n // 256), 1 << 20),), (256,),
+            (_ptr(q.codes.contiguous()), _ptr(q.scales.contiguous()), _ptr(q.tensor_scale), np.uint32(r),
+             np.uint32(k), np.int32(q.fmt == "nvfp4"), _ptr(out)))
+    return out.movedim(-1, q.axis).to(dtype)
 
 
 def _kernel_requantize(q, fmt, scale_rule, rounding, hadamard, signs, seed):
-    raise NotImplementedError("CUDA kernels: not yet")
+    """fp4.requantize in one pass: quant_cols with the QTensor's codes as input (dequantize in the
+    tile load, transpose through shared memory, rotate, scale, round, pack)."""
+    axis = 1 - q.axis
+    k = q.shape[axis]
+    _check_options(fmt, scale_rule, rounding, False, k, 2)
+    if hadamard:
+        signs = _check_hadamard(hadamard, signs, k, q.codes.device)
+    elif signs is not None:
+        raise ValueError("signs given without a Hadamard size")
+    r_in, k_in = q.lead_shape  # the input layout; the output's quantized axis is r_in (== k)
+    src = q if q.codes.is_contiguous() and q.scales.is_contiguous() else QTensor(
+        q.codes.contiguous(), q.scales.contiguous(), q.tensor_scale, q.fmt, q.shape, q.axis, q.mask)
+    codes, scales, g, mask = _quant_launch("cols", src.codes, src, r_in, k_in, fmt, scale_rule, rounding,
+                                           hadamard, signs, seed, False)
+    return QTensor(codes, scales, g, fmt, tuple(q.shape), axis, mask)
 
 
 def _kernel_fold(q):
-    raise NotImplementedError("CUDA kernels: not yet")
+    """fp4.fold_mx through the fold_mx kernel (one CTA per row: row max of block exponents)."""
+    import numpy as np
+    k = q.lead_shape[-1]
+    r = q.codes.numel() * 2 // k
+    elems = torch.empty(r, k, dtype=torch.uint8, device=q.codes.device)
+    rows = torch.empty(r, dtype=torch.float32, device=q.codes.device)
+    _launch(q.codes.device, "fold_mx", (min(r, 1 << 16),), (256,),
+            (_ptr(q.codes.contiguous()), _ptr(q.scales.contiguous()), np.uint32(r), np.uint32(k), _ptr(elems), _ptr(rows)))
+    return elems.view(torch.float8_e4m3fn), rows
