@@ -17,9 +17,10 @@ Bit-exactness contract with the kernels (everything in FP32, no fused multiply-a
     element j is added to element j + n/2, then the first half is summed the same way. A warp's
     butterfly reduction (__shfl_xor 16, 8, 4, 2, 1 over one element per lane) gives exactly this.
   - Stochastic rounding draws u = (hash(seed, index) >> 8) * 2^-24, index = row * K + k in the
-    QTensor's layout (quantized axis last), hash = two rounds of the lowbias32 integer mixer
-    (see _hash32). Round up iff u < (|v| - lo) / (hi - lo).
+    QTensor's layout (quantized axis last), hash = lowbias32(lo32(index) ^ key(seed, index >> 32))
+    (see uniform). Round up iff u < (|v| - lo) / (hi - lo).
 """
+import functools
 import math
 import os
 from dataclasses import dataclass
