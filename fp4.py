@@ -881,23 +881,76 @@ def _cupy():
 import functools  # (kept in this section: the kernel dispatch is its only user)
 
 _KERNELS_CU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cu")
-_NVRTC_OPTIONS = ("-std=c++17", "--fmad=false")  # no FMA contraction: the reference has none
+# IEEE FP32 as the reference computes it: no FMA contraction, subnormals kept, exact div/sqrt.
+_NVRTC_OPTIONS = ("-std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true")
 _SRC_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "mxfp4": 3, "nvfp4": 4}
 _RULE_ID = {"absmax": 0, "quest": 1, "four_over_six": 2}
 _ROUND_ID = {"rn": 0, "sr": 1, "eden": 2}
 _TILE_R = 128  # quant_cols' tile: 128 rows (the quantized axis) x 32 columns
+_LAUNCH_LOG = None  # a list to record launches (bench.py replays them to time kernels alone)
+
+
+_KERNEL_COMPILER = {}  # device index -> how kernels.cu was compiled there (bench.py records it)
 
 
 @functools.cache
 def _kernel_function(device_index, name):
     """One kernels.cu template instantiation (e.g. 'quant_rows<1, 32, false, 1, 0>'), compiled by
-    NVRTC once per device and process (CuPy also caches the binary on disk)."""
+    NVRTC once per device and process. cupy.RawModule appends -ftz=true to the caller's options
+    (seen on the H200: subnormal inputs lost their sign), so NVRTC is driven directly through
+    CuPy's bindings; RawModule (flushing subnormals) is the fallback if those bindings move."""
     cp = _cupy()
     with open(_KERNELS_CU) as f:
         code = f.read()
     with cp.cuda.Device(device_index):
-        module = cp.RawModule(code=code, options=_NVRTC_OPTIONS, name_expressions=(name,))
-        return module.get_function(name)
+        try:
+            fn = _nvrtc_function(cp, code, name, device_index)
+            _KERNEL_COMPILER[device_index] = "nvrtc " + " ".join(_NVRTC_OPTIONS)
+            return fn
+        except Exception:
+            module = cp.RawModule(code=code, options=_NVRTC_OPTIONS, name_expressions=(name,))
+            _KERNEL_COMPILER[device_index] = "cupy.RawModule (CuPy appends -ftz=true)"
+            return module.get_function(name)
+
+
+def _nvrtc_function(cp, code, name, device_index):
+    from cupy.cuda import function
+    from cupy_backends.cuda.libs import nvrtc
+    import hashlib
+    arch = f"--gpu-architecture=sm_{cp.cuda.Device(device_index).compute_capability}"
+    include = os.path.join(cp.cuda.get_cuda_path() or "/usr/local/cuda", "include")
+    key = hashlib.sha1("\0".join((code, name, arch, nvrtc.getVersion().__repr__()) + _NVRTC_OPTIONS).encode()).hexdigest()
+    cache = os.path.join(os.environ.get("FP4_KERNEL_CACHE", os.path.expanduser("~/.cache/fp4-kernels")), key)
+    if os.path.exists(cache + ".cubin") and os.path.exists(cache + ".name"):
+        module = function.Module()
+        with open(cache + ".cubin", "rb") as f:
+            module.load(f.read())
+        with open(cache + ".name") as f:
+            return module.get_function(f.read())
+    prog = nvrtc.createProgram(code, "kernels.cu", (), ())
+    try:
+        add = getattr(nvrtc, "addNameExpression", None) or getattr(nvrtc, "addAddNameExpression")
+        add(prog, name)
+        try:
+            nvrtc.compileProgram(prog, _NVRTC_OPTIONS + (arch, f"--include-path={include}"))
+        except Exception as err:
+            raise RuntimeError(f"{err}\n{nvrtc.getProgramLog(prog)}") from err
+        cubin = nvrtc.getCUBIN(prog)
+        lowered = nvrtc.getLoweredName(prog, name)
+    finally:
+        nvrtc.destroyProgram(prog)
+    try:  # a disk cache like CuPy's: NVRTC takes seconds for the 128-element groups
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        tmp = f"{cache}.{os.getpid()}.tmp"
+        for ext, data in ((".name", lowered.encode()), (".cubin", cubin)):  # atomic, name first
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, cache + ext)
+    except OSError:
+        pass
+    module = function.Module()
+    module.load(cubin)
+    return module.get_function(lowered)
 
 
 def _launch(device, name, grid, block, args):
@@ -905,6 +958,8 @@ def _launch(device, name, grid, block, args):
     cp = _cupy()
     index = device.index if device.index is not None else torch.cuda.current_device()
     fn = _kernel_function(index, name)
+    if _LAUNCH_LOG is not None:
+        _LAUNCH_LOG.append((fn, index, grid, block, args))
     with cp.cuda.Device(index), cp.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream):
         fn(grid, block, args)
 
@@ -944,6 +999,8 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
     amax = torch.zeros(1, dtype=torch.int32, device=dev) if nv else None
     tiles = torch.zeros(rows // 16, kq // 16, dtype=torch.int32, device=dev) if block2d else None
     g = None
+    if _LAUNCH_LOG is not None:
+        _LAUNCH_LOG.append(("keepalive", signw, amax, tiles))
     name = (f"{'quant_rows' if kind == 'rows' else 'quant_cols'}<{src_kind}, {g_size}, {str(nv).lower()}, "
             f"{_RULE_ID[scale_rule]}, {_ROUND_ID[rounding]}>")
     if kind == "rows":
@@ -967,7 +1024,7 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
     if nv:  # pre-pass: amax over the finite (rotated) blocks -> g (fp4._tensor_scale); tile amax
         _launch(dev, name, grid, block, args(1, None))
         finite_amax = amax.view(torch.float32).reshape(())
-        g = finite_amax / (6 * E4M3_MAX)
+        g = finite_amax / torch.full_like(finite_amax, 6 * E4M3_MAX)  # a true division on any device
         g = torch.where(finite_amax > 0, g, torch.ones_like(g))
     _launch(dev, name, grid, block, args(0, g))
     return codes, scales, g, mask

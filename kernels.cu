@@ -1,0 +1,696 @@
+// kernels.cu: the CUDA kernels behind fp4.py's quantizers (compiled by CuPy/NVRTC at first use,
+// one module per template instantiation; plain nvcc must build it too, for CI's compile check).
+//
+// Every number is defined by the PyTorch reference in fp4.py and must match it bit for bit:
+// FP32 arithmetic in the reference's order, no FMA contraction (compile with --fmad=false; the
+// sums of products below also use __fmul_rn/__fadd_rn), the Hadamard butterfly over strides
+// 1, 2, ..., n/2 then one multiply by the FP32 1/sqrt(n), halving-tree block sums, and the SR
+// draws u = (lowbias32(lo32(i) ^ key(seed, i >> 32)) >> 8) * 2^-24 of fp4.uniform.
+//
+// Kernels (SRC: 0 f32, 1 bf16, 2 f16 dense input; 3 mxfp4, 4 nvfp4 QTensor input.
+//          G: elements one thread holds = max(block, Hadamard size, 128 for MS-EDEN)):
+//   quant_rows<SRC, G, NV>  fp4.quantize along the last dim of a row-major (R, K) tensor.
+//       Fuses: load + convert, +-1 signs, blockwise Hadamard, scale rule (absmax / quest /
+//       four_over_six, NVFP4 block2d tile amax), rounding (rn / sr / MS-EDEN), E2M1 pack, E8M0 /
+//       E4M3 scales, QuEST clip mask. pass=1 is the NVFP4 pre-pass: block amax only, atomically
+//       max-reduced into the tensor amax (finite blocks) and, for block2d, the 16x16 tile amax.
+//       Called by fp4._kernel_quantize (axis = last, or a transposed view of a contiguous tensor).
+//   quant_cols<SRC, G, NV>  The same quantizer along the FIRST axis of a row-major (R, K) input,
+//       through a 128 x 32 shared-memory tile (no materialised transpose). Output layout (K, R/2).
+//       SRC 3/4 dequantize a QTensor's codes on the way in: that is fp4.requantize (dequantize,
+//       transpose, random Hadamard, absmax/SR or any other option, pack) in one pass.
+//       Called by fp4._kernel_quantize (2-D, axis 0) and fp4._kernel_requantize.
+//   fold_mx                 fp4.fold_mx: MXFP4 codes + E8M0 -> float8_e4m3fn elements
+//       code * 2^(e_block - e_rowmax) and FP32 row scales 2^e_rowmax; one CTA per row.
+//       Called by fp4._kernel_fold.
+//   dequant<OUT>            fp4.dequantize to f32 / bf16 / f16 in the QTensor layout (OUT: 0 f32,
+//       1 bf16, 2 f16). Called by fp4._kernel_dequantize.
+// The Blackwell scale swizzle stays a torch permute (fp4.swizzle_scales): one gather over the
+// scales (1/16 or 1/32 of the elements), nothing for a kernel to fuse.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+typedef unsigned char u8;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define RULE_ABSMAX 0
+#define RULE_QUEST 1
+#define RULE_FOUR_OVER_SIX 2
+#define ROUND_RN 0
+#define ROUND_SR 1
+#define ROUND_EDEN 2
+
+// ---------------------------------------------------------------------------------------------
+// Scalar helpers: hash, E2M1, E4M3, powers of two
+
+__device__ __forceinline__ u32 lowbias32(u32 x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+__device__ __forceinline__ u32 hash_key(u32 seed, u32 hi) {  // fp4.hash_key
+  return lowbias32(seed + 0x9E3779B9u * (hi + 1u));
+}
+
+__device__ __forceinline__ float uniform_at(u32 key, u32 lo) {  // fp4.uniform, one index
+  return __uint2float_rn(lowbias32(lo ^ key) >> 8) * 5.9604644775390625e-08f;  // * 2^-24, exact
+}
+
+__device__ __forceinline__ float exp2i(int n) {  // 2^n as FP32, n in [-149, 127]; 0 below
+  if (n >= -126) return __uint_as_float((u32)(n + 127) << 23);
+  if (n >= -149) return __uint_as_float(1u << (n + 149));
+  return 0.0f;
+}
+
+__device__ __forceinline__ float absmax_nan(float m, float v) {  // max(m, |v|), NaN propagates
+#ifdef __CUDA_ARCH__
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(m), "f"(fabsf(v)));
+  return r;
+#else  // host build of the device functions (test emulation)
+  return (m != m || v != v) ? __uint_as_float(0x7FFFFFFFu) : fmaxf(m, fabsf(v));
+#endif
+}
+
+// E2M1 round to nearest even, magnitude code 0..7 of |v| (v not NaN), saturating (fp4.e2m1_encode).
+// |v| < 2: rint(2|v|) from the magic add 2^22 (spacing 0.5). |v| >= 1: round the FP32 mantissa to
+// one bit (ties to even) and read (exponent, bit) as the code.
+__device__ __forceinline__ u32 e2m1_rn_mag(float v) {
+  u32 a = __float_as_uint(v) & 0x7FFFFFFFu;
+  u32 cs = __float_as_uint(__uint_as_float(a) + 4194304.0f) - 0x4A800000u;
+  u32 cn = (a + 0x1FFFFFu + ((a >> 22) & 1u) - 0x3F000000u) >> 22;
+  cn = min(cn, 7u);
+  return a < 0x40000000u ? cs : cn;
+}
+
+__device__ __forceinline__ u32 e2m1_sign(float v) { return v < 0.0f ? 8u : 0u; }
+
+// E2M1 stochastic rounding (fp4.e2m1_encode_sr), v not NaN, u in [0, 1).
+__device__ __forceinline__ u32 e2m1_sr_mag(float v, float u) {
+  float a = fminf(fabsf(v), 6.0f);
+  float inv = a < 2.0f ? 2.0f : (a < 4.0f ? 1.0f : 0.5f);
+  u32 base = a < 2.0f ? 0u : (a < 4.0f ? 2u : 4u);
+  float w = a * inv;  // a / step, exact
+  float t = __fadd_rd(w, 8388608.0f);  // floor(w) + 2^23
+  float lo = t - 8388608.0f;
+  u32 n = (__float_as_uint(t) - 0x4B000000u) + (u < w - lo ? 1u : 0u);
+  return n + base;
+}
+
+// E2M1 code -> FP32 (fp4.e2m1_decode). Codes 2..7 are 2^((c >> 1) - 1) * (1 + (c & 1) / 2), whose
+// FP32 bits are (c + 252) << 22; code 1 is 0.5, code 0 is 0.
+__device__ __forceinline__ float e2m1_dec(u32 c) {
+  u32 m = c & 7u;
+  u32 bits = m >= 2u ? (m + 252u) << 22 : (m == 1u ? 0x3F000000u : 0u);
+  return __uint_as_float(bits | ((c & 8u) << 28));
+}
+
+// FP32 x >= 0 (or NaN) -> E4M3 bits, round to nearest even, saturating at 448 (fp4.e4m3_encode).
+__device__ __forceinline__ u32 e4m3_enc(float x) {
+  if (x != x) return 0x7Fu;
+  x = fminf(x, 448.0f);
+  if (x < 0.015625f)  // below 2^-6: subnormal grid of 2^-9, rint(x * 512) via the magic 2^23
+    return __float_as_uint(x * 512.0f + 8388608.0f) - 0x4B000000u;
+  u32 a = __float_as_uint(x);
+  a = a + 0x7FFFFu + ((a >> 20) & 1u);
+  return (a >> 20) - (120u << 3);
+}
+
+__device__ __forceinline__ float e4m3_dec(u32 b) {  // fp4.e4m3_decode (bits 0..255)
+  u32 e = (b >> 3) & 15u, m = b & 7u;
+  float r;
+  if ((b & 0x7Fu) == 0x7Fu) r = __uint_as_float(0x7FFFFFFFu);
+  else if (e == 0) r = __uint2float_rn(m) * 0.001953125f;
+  else r = __uint_as_float(((e + 120u) << 23) | (m << 20));
+  return (b & 0x80u) ? -r : r;
+}
+
+// Stochastic rounding of t >= 0 to E4M3 (fp4.e4m3_encode_sr).
+__device__ __forceinline__ u32 e4m3_enc_sr(float t, float u) {
+  if (t != t) return 0x7Fu;
+  u32 rn = e4m3_enc(t);
+  u32 lo_b = e4m3_dec(rn) > t ? rn - 1u : rn;
+  u32 hi_b = min(lo_b + 1u, 0x7Eu);
+  float lo = e4m3_dec(lo_b), hi = e4m3_dec(hi_b);
+  float p = hi > lo ? __fdiv_rn(t - lo, hi - lo) : 0.0f;
+  return u < p ? hi_b : lo_b;
+}
+
+// FP32 value -> E4M3 bits with sign (torch's .to(float8_e4m3fn) for |y| <= 448).
+__device__ __forceinline__ u32 e4m3_enc_signed(float y) {
+  return e4m3_enc(fabsf(y)) | ((__float_as_uint(y) >> 24) & 0x80u);
+}
+
+// Halving-tree sum of n values (element j added to j + n/2, then the first half the same way).
+template <int N>
+__device__ __forceinline__ float tree_sum(const float* v) {
+  float t[N / 2];
+#pragma unroll
+  for (int j = 0; j < N / 2; j++) t[j] = __fadd_rn(v[j], v[j + N / 2]);
+#pragma unroll
+  for (int n = N / 2; n > 1; n >>= 1) {
+#pragma unroll
+    for (int j = 0; j < n / 2; j++) t[j] = __fadd_rn(t[j], t[j + n / 2]);
+  }
+  return t[0];
+}
+
+template <>
+__device__ __forceinline__ float tree_sum<1>(const float* v) { return v[0]; }
+
+// ---------------------------------------------------------------------------------------------
+// One thread's group of G consecutive elements along the quantized axis
+
+struct QParams {
+  int H;            // Hadamard size (0: none)
+  float hs;         // FP32 1/sqrt(H)
+  int has_signs;
+  u32 sw[4];        // signs as bits, expanded to the group's period (bit i: element i negative)
+  u32 seed, key0;   // SR seed and key(seed, 0)
+  int pass;         // 0: quantize; 1: NVFP4 amax pre-pass
+  u8* codes;        // (rows, Kout/2)
+  u8* scales;       // (rows, Kout/block)
+  u8* mask;         // (rows, Kout/8) or null
+  const float* g;   // NVFP4 tensor scale (device)
+  u32* amax;        // pre-pass: [0] = finite block amax bits
+  u32* tiles;       // block2d: (rows/16, Kout/16) tile amax bits, or null
+  u32 Kout;         // length of the quantized axis
+};
+
+__device__ __forceinline__ void load_signs(QParams& p, const u32* signw) {
+  p.has_signs = signw != nullptr;
+  if (!p.has_signs) return;
+  // element i of the group uses sign (i mod H): group word i/32 is signs word (i/32) mod (H/32)
+  u32 w0 = signw[0];
+  if (p.H == 16) w0 = (w0 & 0xFFFFu) | (w0 << 16);
+  u32 w1 = p.H >= 64 ? signw[1] : w0;
+  u32 w2 = p.H == 128 ? signw[2] : w0;
+  u32 w3 = p.H == 128 ? signw[3] : w1;
+  p.sw[0] = w0; p.sw[1] = w1; p.sw[2] = w2; p.sw[3] = w3;
+}
+
+template <int G>
+__device__ __forceinline__ void rotate(float (&x)[G], const QParams& p) {
+  if (p.H == 0) return;
+  if (p.has_signs) {
+#pragma unroll
+    for (int i = 0; i < G; i++)
+      x[i] = __uint_as_float(__float_as_uint(x[i]) ^ ((p.sw[(i / 32) & 3] << (31 - (i & 31))) & 0x80000000u));
+  }
+#pragma unroll
+  for (int h = 1; h < G; h <<= 1) {
+    if (h < p.H) {
+#pragma unroll
+      for (int i = 0; i < G; i++) {
+        if (!(i & h)) {
+          float a = x[i], b = x[i + h];
+          x[i] = __fadd_rn(a, b);
+          x[i + h] = __fsub_rn(a, b);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < G; i++) x[i] = __fmul_rn(x[i], p.hs);
+}
+
+template <int N>
+__device__ __forceinline__ u32 block_amax_bits(const float* x) {  // max |x| bits, NaN/Inf >= 0x7F800000
+  float m = 0.0f;
+#pragma unroll
+  for (int j = 0; j < N; j++) m = absmax_nan(m, x[j]);
+  return __float_as_uint(m) & 0x7FFFFFFFu;
+}
+
+__device__ __forceinline__ int absmax_exponent(float amax) {  // fp4._absmax_exponent
+  if (amax == 0.0f) return -127;
+  int E;
+  float m = frexpf(amax, &E);
+  return m <= 0.75f ? E - 3 : E - 2;
+}
+
+template <int N>
+__device__ __forceinline__ void store_bytes(u8* dst, const u32* w) {  // N bytes from N/4 words
+  if constexpr (N == 4) {
+    *reinterpret_cast<u32*>(dst) = w[0];
+  } else if constexpr (N == 8) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N / 16; i++)
+      reinterpret_cast<uint4*>(dst)[i] = make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
+  }
+}
+
+// MXFP4 (SPEC 2-3): scale 2^e per 32-block, E8M0 bits e + 127.
+template <int G, int RULE, int RND>
+__device__ __forceinline__ void quant_group_mx(float (&x)[G], const QParams& p, u32 orow, u32 ocol) {
+  const u64 base = (u64)orow * p.Kout + ocol;
+  const u32 key = (base >> 32) ? hash_key(p.seed, (u32)(base >> 32)) : p.key0;
+  u32 cw[G / 8];
+  u32 mw[G / 32];
+#pragma unroll
+  for (int b = 0; b < G / 32; b++) {
+    float* xb = x + 32 * b;
+    int e;
+    bool bad = false;
+    bool need_amax = true;
+    float sigma = 0.0f;
+    if (RULE == RULE_QUEST) {
+      float sq[32];
+#pragma unroll
+      for (int j = 0; j < 32; j++) sq[j] = __fmul_rn(xb[j], xb[j]);
+      float mean = __fmul_rn(tree_sum<32>(xb), 0.03125f);
+      float mean2 = __fmul_rn(tree_sum<32>(sq), 0.03125f);
+      float var = __fsub_rn(mean2, __fmul_rn(mean, mean));
+      var = var < 0.0f ? 0.0f : var;
+      sigma = __fsqrt_rn(var);
+      if (sigma > 0.0f) {
+        int E;
+        frexpf(__fmul_rn(sigma, 0.487079f), &E);
+        e = E - 1;
+        need_amax = !(sigma <= 3.402823466e+38f);  // finite sigma: no NaN/Inf in the block
+      }
+    }
+    if (need_amax) {  // absmax rule, or QuEST's fallback / non-finite check
+      u32 ab = block_amax_bits<32>(xb);
+      bad = ab >= 0x7F800000u;
+      if (!(RULE == RULE_QUEST && sigma > 0.0f)) e = absmax_exponent(__uint_as_float(ab));
+    }
+    e = bad ? 0 : max(-127, min(127, e));
+    const float inv = exp2i(-e);  // x / 2^e == x * 2^-e exactly (both one rounding of one real)
+    u32 m = 0;
+#pragma unroll
+    for (int j = 0; j < 32; j += 8) {
+      u32 w = 0;
+#pragma unroll
+      for (int i = 0; i < 8; i++) {
+        float v = __fmul_rn(xb[j + i], inv);
+        u32 c;
+        if constexpr (RND == ROUND_SR) c = e2m1_sr_mag(v, uniform_at(key, (u32)base + 32 * b + j + i));
+        else c = e2m1_rn_mag(v);
+        c |= e2m1_sign(v);
+        w |= c << (4 * i);
+        if (!(fabsf(v) > 6.0f)) m |= 1u << (j + i);
+      }
+      cw[(32 * b + j) / 8] = bad ? 0u : w;
+    }
+    mw[b] = bad ? 0u : m;
+    p.scales[(u64)orow * (p.Kout / 32) + ocol / 32 + b] = bad ? (u8)0xFF : (u8)(e + 127);
+  }
+  store_bytes<G / 2>(p.codes + (base >> 1), cw);
+  if (p.mask) store_bytes<G / 8>(p.mask + (base >> 3), mw);
+}
+
+// four_over_six's squared error of one 16-block for scale s (fp4._four_over_six).
+__device__ __forceinline__ float nv_err(const float* xb, u32 s, float g) {
+  float sd = e4m3_dec(s);
+  float den = __fmul_rn(sd, g);
+  den = den == 0.0f ? __uint_as_float(0x7F800000u) : den;
+  float d[16];
+#pragma unroll
+  for (int j = 0; j < 16; j++) {
+    float v = __fdiv_rn(xb[j], den);
+    u32 c = (v != v) ? 0u : (e2m1_rn_mag(v) | e2m1_sign(v));
+    float q = __fmul_rn(__fmul_rn(e2m1_dec(c), sd), g);
+    float t = __fsub_rn(xb[j], q);
+    d[j] = __fmul_rn(t, t);
+  }
+  return tree_sum<16>(d);
+}
+
+// NVFP4 (SPEC 2-4): E4M3 scale per 16-block (or 16x16 tile), FP32 tensor scale g.
+template <int G, int RULE, int RND>
+__device__ __forceinline__ void quant_group_nv(float (&x)[G], const QParams& p, u32 orow, u32 ocol) {
+  const u64 base = (u64)orow * p.Kout + ocol;
+  if (p.pass == 1) {  // pre-pass: finite block amax into amax[0]; raw block amax into tiles
+    u32 fm = 0;
+#pragma unroll
+    for (int b = 0; b < G / 16; b++) {
+      u32 ab = block_amax_bits<16>(x + 16 * b);
+      if (ab < 0x7F800000u) fm = max(fm, ab);
+      if (p.tiles) atomicMax(p.tiles + (u64)(orow / 16) * (p.Kout / 16) + ocol / 16 + b, ab);
+    }
+    if (fm) atomicMax(p.amax, fm);
+    return;
+  }
+  const u32 key = (base >> 32) ? hash_key(p.seed, (u32)(base >> 32)) : p.key0;
+  const float g = *p.g;
+  u32 cw[G / 8];
+  u32 sc[G / 16];
+  bool badb[G / 16];
+#pragma unroll
+  for (int b = 0; b < G / 16; b++) {
+    const float* xb = x + 16 * b;
+    u32 ab = p.tiles ? p.tiles[(u64)(orow / 16) * (p.Kout / 16) + ocol / 16 + b] : block_amax_bits<16>(xb);
+    bool bad = ab >= 0x7F800000u;
+    float amax = __uint_as_float(ab);  // NaN or Inf when bad: the scale is overridden below
+    u32 s = e4m3_enc(__fdiv_rn(__fdiv_rn(amax, 6.0f), g));
+    if (RULE == RULE_FOUR_OVER_SIX) {
+      u32 s4 = e4m3_enc(__fdiv_rn(__fdiv_rn(amax, 4.0f), g));
+      float e6 = nv_err(xb, s, g), e4 = nv_err(xb, s4, g);
+      s = e4 < e6 ? s4 : s;
+    }
+    s = bad ? 0x7Fu : s;
+    float den = __fmul_rn(e4m3_dec(s), g);
+    den = den == 0.0f ? __uint_as_float(0x7F800000u) : den;
+#pragma unroll
+    for (int j = 0; j < 16; j += 8) {
+      u32 w = 0;
+#pragma unroll
+      for (int i = 0; i < 8; i++) {
+        float v = __fdiv_rn(xb[j + i], den);
+        u32 c;
+        if constexpr (RND == ROUND_SR) c = e2m1_sr_mag(v, uniform_at(key, (u32)base + 16 * b + j + i));
+        else c = e2m1_rn_mag(v);
+        w |= (c | e2m1_sign(v)) << (4 * i);
+      }
+      cw[(16 * b + j) / 8] = bad ? 0u : w;
+    }
+    sc[b] = s;
+    badb[b] = bad;
+  }
+  if constexpr (G % 128 == 0) {
+    if constexpr (RND == ROUND_EDEN) {  // MS-EDEN (fp4._eden_scales): per 128-group correction into the scales
+#pragma unroll
+      for (int gi = 0; gi < G / 128; gi++) {
+        float q[128];
+#pragma unroll
+        for (int j = 0; j < 128; j++) {
+          u32 c = (cw[(128 * gi + j) / 8] >> (4 * (j % 8))) & 15u;
+          q[j] = __fmul_rn(__fmul_rn(e2m1_dec(c), e4m3_dec(sc[(128 * gi + j) / 16])), g);
+        }
+        const float* xg = x + 128 * gi;
+        float t[64];
+#pragma unroll
+        for (int j = 0; j < 64; j++) t[j] = __fadd_rn(__fmul_rn(xg[j], xg[j]), __fmul_rn(xg[j + 64], xg[j + 64]));
+        float num = tree_sum<64>(t);
+#pragma unroll
+        for (int j = 0; j < 64; j++) t[j] = __fadd_rn(__fmul_rn(xg[j], q[j]), __fmul_rn(xg[j + 64], q[j + 64]));
+        float den = tree_sum<64>(t);
+        float c = __fdiv_rn(num, den);
+        if (!(fabsf(c) <= 3.402823466e+38f && den > 0.0f)) c = 1.0f;
+        const u64 nb = p.Kout / 16;
+#pragma unroll
+        for (int b = 8 * gi; b < 8 * gi + 8; b++) {
+          u64 bi = (u64)orow * nb + ocol / 16 + b;
+          u32 bkey = (bi >> 32) ? hash_key(p.seed, (u32)(bi >> 32)) : p.key0;
+          float t = __fmul_rn(e4m3_dec(sc[b]), c);
+          u32 s2 = e4m3_enc_sr(t, uniform_at(bkey, (u32)bi));
+          sc[b] = badb[b] ? 0x7Fu : s2;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int b = 0; b < G / 16; b++) p.scales[(u64)orow * (p.Kout / 16) + ocol / 16 + b] = (u8)sc[b];
+  store_bytes<G / 2>(p.codes + (base >> 1), cw);
+}
+
+template <int G, bool NV, int RULE, int RND>
+__device__ __forceinline__ void quant_group(float (&x)[G], const QParams& p, u32 orow, u32 ocol) {
+  rotate<G>(x, p);
+  if constexpr (NV) quant_group_nv<G, RULE, RND>(x, p, orow, ocol);
+  else quant_group_mx<G, RULE, RND>(x, p, orow, ocol);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Loads
+
+__device__ __forceinline__ void bf16x2_to_f32(u32 w, float& a, float& b) {
+  a = __uint_as_float(w << 16);
+  b = __uint_as_float(w & 0xFFFF0000u);
+}
+
+__device__ __forceinline__ void f16x2_to_f32(u32 w, float& a, float& b) {
+  __half2 h = *reinterpret_cast<__half2*>(&w);
+  float2 f = __half22float2(h);
+  a = f.x;
+  b = f.y;
+}
+
+template <int SRC, int G>  // G contiguous elements from a 16-byte aligned address
+__device__ __forceinline__ void load_dense(float (&x)[G], const void* src, u64 off) {
+  if constexpr (SRC == 0) {
+    const float4* s = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(src) + off);
+#pragma unroll
+    for (int i = 0; i < G / 4; i++) {
+      float4 v = __ldg(s + i);
+      x[4 * i] = v.x; x[4 * i + 1] = v.y; x[4 * i + 2] = v.z; x[4 * i + 3] = v.w;
+    }
+  } else {
+    const uint4* s = reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned short*>(src) + off);
+    uint4 raw[G / 8];
+#pragma unroll
+    for (int i = 0; i < G / 8; i++) raw[i] = __ldg(s + i);
+#pragma unroll
+    for (int i = 0; i < G / 8; i++) {
+      u32 w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        if constexpr (SRC == 1) bf16x2_to_f32(w[k], x[8 * i + 2 * k], x[8 * i + 2 * k + 1]);
+        else f16x2_to_f32(w[k], x[8 * i + 2 * k], x[8 * i + 2 * k + 1]);
+      }
+    }
+  }
+}
+
+template <int SRC>
+__device__ __forceinline__ float load_one(const void* src, u64 off) {
+  if constexpr (SRC == 0) return __ldg(reinterpret_cast<const float*>(src) + off);
+  else {
+    unsigned short h = __ldg(reinterpret_cast<const unsigned short*>(src) + off);
+    if constexpr (SRC == 1) return __uint_as_float((u32)h << 16);
+    else return __half2float(__ushort_as_half(h));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// quant_rows: quantize along the last dim of a row-major (R, K) tensor. One thread per G-group.
+
+template <int SRC, int G, bool NV, int RULE, int RND>
+__global__ void __launch_bounds__(256) quant_rows(
+    const void* __restrict__ x, u32 R, u32 K, int H, float hs, const u32* __restrict__ signw,
+    u32 seed, u32 key0, int pass, u8* __restrict__ codes, u8* __restrict__ scales,
+    u8* __restrict__ mask, const float* __restrict__ g, u32* __restrict__ amax, u32* __restrict__ tiles) {
+  QParams p;
+  p.H = H; p.hs = hs; p.seed = seed; p.key0 = key0; p.pass = pass;
+  p.codes = codes; p.scales = scales; p.mask = mask; p.g = g; p.amax = amax; p.tiles = tiles;
+  p.Kout = K;
+  load_signs(p, signw);
+  const u32 gpr = K / G;
+  const u32 n = R * gpr;  // host checks R * K / G < 2^32
+  for (u32 gi = blockIdx.x * blockDim.x + threadIdx.x; gi < n; gi += gridDim.x * blockDim.x) {
+    u32 row = gi / gpr, col = (gi - row * gpr) * G;
+    float v[G];
+    load_dense<SRC, G>(v, x, (u64)row * K + col);
+    quant_group<G, NV, RULE, RND>(v, p, row, col);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// quant_cols: quantize along the first dim of a row-major (R, K) input through a 128 x 32 tile.
+// SRC 3/4: the input is a QTensor's codes (R, K/2) + scales (mxfp4 (R, K/32) E8M0; nvfp4
+// (R, K/16) E4M3 with tensor scale *gin), dequantized into the tile (fp4.dequantize's values).
+
+#define TILE_R 128
+#define TILE_C 32
+#define TILE_LD 36  // padded row (floats): 16-byte aligned rows for vector stores
+
+template <int SRC>
+__device__ __forceinline__ void load_tile(float* tile, const void* __restrict__ x, const u8* __restrict__ in_scales,
+                                          const float* __restrict__ gin, u32 R, u32 K, u32 r0, u32 c0) {
+  const int nt = blockDim.x;
+  if constexpr (SRC <= 2) {
+    constexpr int VEC = SRC == 0 ? 4 : 8;
+    const bool vec = (K % VEC == 0) && (c0 + TILE_C <= K);
+    if (vec) {
+      for (int e = threadIdx.x; e < TILE_R * (TILE_C / VEC); e += nt) {
+        int rr = e / (TILE_C / VEC), cc = (e % (TILE_C / VEC)) * VEC;
+        float v[VEC];
+        if (r0 + rr < R) {
+          load_dense<SRC, VEC>(v, x, (u64)(r0 + rr) * K + c0 + cc);
+        } else {
+#pragma unroll
+          for (int i = 0; i < VEC; i++) v[i] = 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < VEC; i += 4)
+          *reinterpret_cast<float4*>(tile + rr * TILE_LD + cc + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+      }
+    } else {
+      for (int e = threadIdx.x; e < TILE_R * TILE_C; e += nt) {
+        int rr = e / TILE_C, cc = e % TILE_C;
+        tile[rr * TILE_LD + cc] = (r0 + rr < R && c0 + cc < K) ? load_one<SRC>(x, (u64)(r0 + rr) * K + c0 + cc) : 0.0f;
+      }
+    }
+  } else {  // 16 codes (8 bytes) a chunk; K % 16 == 0, so a chunk is all in or all out
+    const u8* cb = reinterpret_cast<const u8*>(x);
+    for (int e = threadIdx.x; e < TILE_R * 2; e += nt) {
+      int rr = e >> 1, cc = (e & 1) * 16;
+      u32 r = r0 + rr, c = c0 + cc;
+      float v[16];
+      if (r < R && c < K) {
+        uint2 w = __ldg(reinterpret_cast<const uint2*>(cb + (u64)r * (K / 2) + c / 2));
+        float s, g2 = 1.0f;
+        if constexpr (SRC == 3) {
+          u32 sb = __ldg(in_scales + (u64)r * (K / 32) + c / 32);
+          s = sb == 0xFFu ? __uint_as_float(0x7FFFFFFFu) : exp2i((int)sb - 127);
+        } else {
+          s = e4m3_dec(__ldg(in_scales + (u64)r * (K / 16) + c / 16));
+          g2 = *gin;
+        }
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+          u32 cd = ((i < 8 ? w.x : w.y) >> (4 * (i & 7))) & 15u;
+          float d = __fmul_rn(e2m1_dec(cd), s);  // mxfp4: code * 2^e; nvfp4: (code * s) * g
+          if constexpr (SRC == 4) d = __fmul_rn(d, g2);
+          v[i] = d;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 16; i++) v[i] = 0.0f;
+      }
+#pragma unroll
+      for (int i = 0; i < 16; i += 4)
+        *reinterpret_cast<float4*>(tile + rr * TILE_LD + cc + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+    }
+  }
+}
+
+template <int SRC, int G, bool NV, int RULE, int RND>
+__global__ void __launch_bounds__(256) quant_cols(
+    const void* __restrict__ x, const u8* __restrict__ in_scales, const float* __restrict__ gin, u32 R, u32 K,
+    int H, float hs, const u32* __restrict__ signw, u32 seed, u32 key0, int pass,
+    u8* __restrict__ codes, u8* __restrict__ scales, u8* __restrict__ mask, const float* __restrict__ g,
+    u32* __restrict__ amax, u32* __restrict__ tiles) {
+  __shared__ __align__(16) float tile[TILE_R * TILE_LD];
+  QParams p;
+  p.H = H; p.hs = hs; p.seed = seed; p.key0 = key0; p.pass = pass;
+  p.codes = codes; p.scales = scales; p.mask = mask; p.g = g; p.amax = amax; p.tiles = tiles;
+  p.Kout = R;  // output layout (K, R): the quantized axis is the input's first
+  load_signs(p, signw);
+  const u32 c0 = blockIdx.x * TILE_C, r0 = blockIdx.y * TILE_R;
+  load_tile<SRC>(tile, x, in_scales, gin, R, K, r0, c0);
+  __syncthreads();
+  const u32 lane = threadIdx.x & 31, grp = threadIdx.x >> 5;  // blockDim = 32 * TILE_R / G
+  const u32 col = c0 + lane, r = r0 + grp * G;
+  if (col >= K || r >= R) return;
+  float v[G];
+#pragma unroll
+  for (int j = 0; j < G; j++) v[j] = tile[(grp * G + j) * TILE_LD + lane];
+  quant_group<G, NV, RULE, RND>(v, p, col, r);
+}
+
+// ---------------------------------------------------------------------------------------------
+// fold_mx: MXFP4 -> (R, K) float8_e4m3fn + (R,) FP32 row scales (fp4.fold_mx). One CTA a row.
+
+__global__ void __launch_bounds__(256) fold_mx(const u8* __restrict__ codes, const u8* __restrict__ scales,
+                                               u32 R, u32 K, u8* __restrict__ out, float* __restrict__ rowscale) {
+  __shared__ int red_e[32];
+  __shared__ int red_nan[32];
+  const u32 nb = K / 32;
+  for (u32 row = blockIdx.x; row < R; row += gridDim.x) {
+    const u8* sr = scales + (u64)row * nb;
+    int emax = -127, nan = 0;
+    for (u32 b = threadIdx.x; b < nb; b += blockDim.x) {
+      u32 s = __ldg(sr + b);
+      if (s == 0xFFu) nan = 1;
+      else emax = max(emax, (int)s - 127);
+    }
+    emax = __reduce_max_sync(0xFFFFFFFFu, emax);
+    nan = __reduce_or_sync(0xFFFFFFFFu, nan);
+    if ((threadIdx.x & 31) == 0) { red_e[threadIdx.x >> 5] = emax; red_nan[threadIdx.x >> 5] = nan; }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      int nw = blockDim.x >> 5;
+      emax = threadIdx.x < nw ? red_e[threadIdx.x] : -127;
+      nan = threadIdx.x < nw ? red_nan[threadIdx.x] : 0;
+      emax = __reduce_max_sync(0xFFFFFFFFu, emax);
+      nan = __reduce_or_sync(0xFFFFFFFFu, nan);
+      if (threadIdx.x == 0) { red_e[0] = emax; red_nan[0] = nan; }
+    }
+    __syncthreads();
+    emax = red_e[0];
+    nan = red_nan[0];
+    const u32* cr = reinterpret_cast<const u32*>(codes + (u64)row * (K / 2));
+    uint2* orow = reinterpret_cast<uint2*>(out + (u64)row * K);
+    for (u32 w = threadIdx.x; w < K / 8; w += blockDim.x) {
+      u32 c = __ldg(cr + w);
+      u32 s = __ldg(sr + w / 4);
+      int e = s == 0xFFu ? -127 : (int)s - 127;
+      float rel = exp2i(e - emax);
+      u32 o[2] = {0u, 0u};
+#pragma unroll
+      for (int i = 0; i < 8; i++) o[i / 4] |= e4m3_enc_signed(__fmul_rn(e2m1_dec((c >> (4 * i)) & 15u), rel)) << (8 * (i & 3));
+      orow[w] = make_uint2(o[0], o[1]);
+    }
+    if (threadIdx.x == 0) rowscale[row] = nan ? __uint_as_float(0x7FFFFFFFu) : exp2i(emax);
+    __syncthreads();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// dequant: QTensor -> (R, K) in the QTensor layout. One thread per 8 codes.
+
+template <int OUT>
+__global__ void __launch_bounds__(256) dequant(const u8* __restrict__ codes, const u8* __restrict__ scales,
+                                               const float* __restrict__ g, u32 R, u32 K, int nv, void* __restrict__ out) {
+  const u64 n = (u64)R * K / 8;
+  const u32 bs = nv ? 16 : 32;
+  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+    u64 e0 = i * 8;  // element index; blocks never straddle rows (K % bs == 0)
+    u32 c = __ldg(reinterpret_cast<const u32*>(codes) + i);
+    u32 sb = __ldg(scales + e0 / bs);
+    float s, g2 = 1.0f;
+    if (nv) { s = e4m3_dec(sb); g2 = *g; }
+    else s = sb == 0xFFu ? __uint_as_float(0x7FFFFFFFu) : exp2i((int)sb - 127);
+    float v[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+      float d = __fmul_rn(e2m1_dec((c >> (4 * k)) & 15u), s);
+      v[k] = nv ? __fmul_rn(d, g2) : d;
+    }
+    if constexpr (OUT == 0) {
+      float4* o = reinterpret_cast<float4*>(out) + 2 * i;
+      o[0] = make_float4(v[0], v[1], v[2], v[3]);
+      o[1] = make_float4(v[4], v[5], v[6], v[7]);
+    } else {
+      u32 w[4];
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        if constexpr (OUT == 1) {
+          __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+          w[k] = *reinterpret_cast<u32*>(&h);
+        } else {
+          __half2 h = __floats2half2_rn(v[2 * k], v[2 * k + 1]);
+          w[k] = *reinterpret_cast<u32*>(&h);
+        }
+      }
+      reinterpret_cast<uint4*>(out)[i] = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Instantiations for plain nvcc (CI's compile check builds a cubin of this file). NVRTC skips
+// them: fp4.py instantiates what it launches through CuPy's name_expressions.
+#ifndef __CUDACC_RTC__
+template __global__ void quant_rows<1, 32, false, 1, 0>(const void*, u32, u32, int, float, const u32*, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<1, 32, false, 0, 1>(const void*, u32, u32, int, float, const u32*, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<0, 128, true, 0, 2>(const void*, u32, u32, int, float, const u32*, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<2, 16, true, 2, 0>(const void*, u32, u32, int, float, const u32*, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<1, 16, true, 0, 1>(const void*, u32, u32, int, float, const u32*, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_cols<1, 32, false, 0, 1>(const void*, const u8*, const float*, u32, u32, int, float, const u32*, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_cols<3, 32, false, 0, 1>(const void*, const u8*, const float*, u32, u32, int, float, const u32*, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_cols<0, 64, false, 1, 0>(const void*, const u8*, const float*, u32, u32, int, float, const u32*, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void dequant<0>(const u8*, const u8*, const float*, u32, u32, int, void*);
+template __global__ void dequant<1>(const u8*, const u8*, const float*, u32, u32, int, void*);
+template __global__ void dequant<2>(const u8*, const u8*, const float*, u32, u32, int, void*);
+#endif
