@@ -404,7 +404,7 @@ def _tensor_scale(block_amax):
     """NVFP4 tensor scale g = amax / (6 * 448), amax over the finite blocks (a NaN/Inf block
     must not poison the others); 1 for an all-zero tensor."""
     finite_amax = torch.where(torch.isfinite(block_amax), block_amax, 0).amax()
-    g = finite_amax / (6 * E4M3_MAX)
+    g = finite_amax / _full(finite_amax, 6 * E4M3_MAX)
     return torch.where(finite_amax > 0, g, torch.ones_like(g))
 
 
@@ -418,7 +418,7 @@ def _quantize_nv(xf, scale_rule, rounding, seed, block2d):
         r, c = amax.shape
         amax = amax.view(r // 16, 16, c).amax(1, keepdim=True).expand(r // 16, 16, c).reshape(r, c)
         bad = bad.view(r // 16, 16, c).any(1, keepdim=True).expand(r // 16, 16, c).reshape(r, c)
-    s = e4m3_encode(amax / 6 / g)
+    s = e4m3_encode(amax / _full(amax, 6.0) / g)
     if scale_rule == "four_over_six":
         s = _four_over_six(xb, amax, s, g)
     s = torch.where(bad, E4M3_NAN, s)
@@ -427,6 +427,12 @@ def _quantize_nv(xf, scale_rule, rounding, seed, block2d):
         s = torch.where(bad, E4M3_NAN, _eden_scales(xb, e2m1_encode(v), s, g, seed))
         return e2m1_encode(v), s, g, None
     return _round(v, rounding, seed), s, g, None
+
+
+def _full(like, value):
+    """value as a tensor of like's shape: CUDA computes tensor / python-number as a multiply by
+    the FP32 reciprocal, which rounds differently from the true division the kernels do."""
+    return torch.full_like(like, value)
 
 
 def _nv_divide(xb, s, g):
