@@ -1,0 +1,245 @@
+"""
+A Llama-style decoder for FP4 pretraining, in one file, nanoGPT-like.
+RMSNorm, rotary position embeddings (RoPE), causal SDPA attention with optional
+grouped-query attention, SwiGLU MLP, untied lm_head.
+
+The four linears of a block (qkv, o, gate_up, down) are plain nn.Linear here;
+apply_recipe() swaps them for fp4.FP4Linear. Embeddings, norms, RoPE, attention's
+batched matmuls and the lm_head stay in high precision (SPEC.md 5).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+RECIPES = ('bf16', 'quartet', 'nvfp4', 'quartet2')
+
+# -----------------------------------------------------------------------------
+# config and named sizes
+
+@dataclass
+class GPTConfig:
+    block_size: int = 512
+    vocab_size: int = 100352  # cl100k_base's 100277, padded up to a multiple of 128
+    n_layer: int = 6
+    n_head: int = 5
+    n_kv_head: int = 0        # 0: same as n_head (no GQA)
+    n_embd: int = 640
+    ffn_hidden: int = 0       # 0: 8d/3 rounded up to a multiple of 256 (Quartet's rule)
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        if self.n_kv_head == 0:
+            self.n_kv_head = self.n_head
+        if self.ffn_hidden == 0:
+            self.ffn_hidden = 256 * math.ceil(8 * self.n_embd / 3 / 256)
+        assert self.n_embd % self.n_head == 0, 'n_embd must be divisible by n_head'
+        assert self.n_head % self.n_kv_head == 0, 'n_head must be a multiple of n_kv_head'
+        assert (self.n_embd // self.n_head) % 2 == 0, 'RoPE needs an even head size'
+
+# Quartet's shapes (SPEC.md 6): the name is the non-embedding parameter count.
+# All have head size 128, so every block linear is a multiple of 128 wide, which the
+# FP4 recipes need (Hadamard-128 blocks in quartet2). '1b' counts the embeddings too
+# (the 800m shape at seq 2048: 0.82B in the blocks + 0.41B in wte and lm_head).
+# 'tiny' is for CPU runs and tests: d 128, SwiGLU hidden 512, still FP4-compatible.
+SIZES = {
+    'tiny': dict(n_layer=3, n_head=2, n_embd=128, block_size=128),
+    '30m':  dict(n_layer=6, n_head=5, n_embd=640),
+    '50m':  dict(n_layer=7, n_head=6, n_embd=768),
+    '100m': dict(n_layer=8, n_head=8, n_embd=1024),
+    '200m': dict(n_layer=10, n_head=10, n_embd=1280),
+    '430m': dict(n_layer=13, n_head=13, n_embd=1664),
+    '800m': dict(n_layer=16, n_head=16, n_embd=2048),
+    '1b':   dict(n_layer=16, n_head=16, n_embd=2048, block_size=2048),
+}
+
+def config_for(size, **overrides):
+    """GPTConfig for a named size; overrides (e.g. vocab_size, block_size) win."""
+    if size not in SIZES:
+        raise ValueError(f"unknown model size {size!r}; known: {', '.join(SIZES)}")
+    return GPTConfig(**{**SIZES[size], **overrides})
+
+# -----------------------------------------------------------------------------
+# layers
+
+class RMSNorm(nn.Module):
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # normalize in fp32: the mean of squares of bf16 activations loses bits
+        y = F.rms_norm(x.float(), (x.size(-1),), eps=self.eps)
+        return (y * self.weight).type_as(x)
+
+def rope_tables(head_size, block_size, theta):
+    """cos and sin of the rotation angles, each (block_size, head_size/2), fp32."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)
+    angles = torch.outer(torch.arange(block_size, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+def apply_rope(x, cos, sin):
+    """Rotate pairs (x[i], x[i + hs/2]) by position-dependent angles (Llama's 'rotate half')."""
+    T = x.size(-2)
+    cos, sin = cos[:T].type_as(x), sin[:T].type_as(x)   # (T, hs/2)
+    x1, x2 = x.chunk(2, dim=-1)                         # (B, nh, T, hs/2) each
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.head_size = config.n_embd // config.n_head
+        # q, k and v in one fused linear: one bigger GEMM instead of three
+        qkv_out = (self.n_head + 2 * self.n_kv_head) * self.head_size
+        self.qkv = nn.Linear(config.n_embd, qkv_out, bias=False)
+        self.o = nn.Linear(config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, C = x.size()
+        hs, nh, nkv = self.head_size, self.n_head, self.n_kv_head
+        q, k, v = self.qkv(x).split([nh * hs, nkv * hs, nkv * hs], dim=-1)
+        q = q.view(B, T, nh, hs).transpose(1, 2)   # (B, nh, T, hs)
+        k = k.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = v.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # flash/efficient attention; enable_gqa lets each kv head serve nh/nkv q heads
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.o(y)
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        # gate and up projections fused into one linear (one GEMM), split after
+        self.gate_up = nn.Linear(config.n_embd, 2 * config.ffn_hidden, bias=False)
+        self.down = nn.Linear(config.ffn_hidden, config.n_embd, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # (B, T, ffn_hidden) each
+        return self.down(F.silu(gate) * up)          # SwiGLU
+
+class Block(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = RMSNorm(config.n_embd, config.norm_eps)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = RMSNorm(config.n_embd, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.ln_1(x), cos, sin)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+# -----------------------------------------------------------------------------
+# the model
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=RMSNorm(config.n_embd, config.norm_eps),
+        ))
+        # untied: Quartet's Llama-2-style models keep a separate output matrix
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # RoPE tables are derived, not learned: keep them out of the state_dict
+        cos, sin = rope_tables(config.n_embd // config.n_head, config.block_size, config.rope_theta)
+        self.register_buffer('rope_cos', cos, persistent=False)
+        self.register_buffer('rope_sin', sin, persistent=False)
+        self.apply(self._init_weights)
+        # GPT-2's scaled init for the projections that write into the residual stream
+        for name, p in self.named_parameters():
+            if name.endswith(('attn.o.weight', 'mlp.down.weight')):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if getattr(module, 'bias', None) is not None:
+                torch.nn.init.zeros_(module.bias)
+
+    def get_num_params(self, non_embedding=True):
+        """Parameter count; non_embedding drops wte and lm_head (how Quartet names sizes)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wte.weight.numel() + self.lm_head.weight.numel()
+        return n
+
+    def forward(self, idx, targets=None):
+        B, T = idx.size()
+        assert T <= self.config.block_size, f'sequence of {T} > block_size {self.config.block_size}'
+        x = self.transformer.wte(idx)  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x, self.rope_cos, self.rope_sin)
+        x = self.transformer.ln_f(x)
+        if targets is None:
+            # inference: only the last position's logits are needed
+            return self.lm_head(x[:, [-1], :]), None
+        logits = self.lm_head(x)  # (B, T, vocab_size)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
+                               ignore_index=-1)
+        return logits, loss
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas):
+        # decay matrices (linears, embeddings); not norms, biases or other 1-d params
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {'params': [p for p in params if p.dim() >= 2], 'weight_decay': weight_decay},
+            {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0},
+        ]
+        # fused: one kernel for all params, on CUDA and CPU (6x faster than foreach on CPU)
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """Sample max_new_tokens after idx (B, T); no KV cache, like nanoGPT."""
+        for _ in range(max_new_tokens):
+            idx_cond = idx[:, -self.config.block_size:]
+            logits, _ = self(idx_cond)
+            logits = logits[:, -1, :] / temperature  # (B, vocab_size)
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float('inf')
+            idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat((idx, idx_next), dim=1)
+        return idx
+
+# -----------------------------------------------------------------------------
+# FP4 recipes
+
+def fp4_blocks(n_layer, recipe):
+    """Indices of the blocks whose linears run in FP4 under a recipe.
+    nvfp4 keeps the first and last blocks in BF16 (NVIDIA's recipe, SPEC.md 5: ~15% of
+    the linears stay high precision; training everything in FP4 diverged at 12B)."""
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+    if recipe == 'bf16':
+        return []
+    if recipe == 'nvfp4':
+        return [i for i in range(n_layer) if i not in (0, n_layer - 1)]
+    return list(range(n_layer))
+
+def apply_recipe(model, recipe):
+    """Swap the block linears (qkv, o, gate_up, down) for fp4.FP4Linear, in place.
+    Embeddings and lm_head are never touched. 'bf16' leaves plain nn.Linear (autocast
+    runs them in BF16), so the model works without fp4.py."""
+    blocks = fp4_blocks(model.config.n_layer, recipe)
+    if blocks:
+        import fp4  # only the FP4 recipes need it
+        for i in blocks:
+            fp4.to_fp4(model.transformer.h[i], recipe)
+    return model

@@ -1,0 +1,324 @@
+"""
+Tests for model.py, train.py, configurator.py and the data prepare scripts. CPU, fast:
+tiny models on a synthetic corpus with a 256-token vocabulary, a few steps each.
+
+$ python -m pytest test_train.py -q
+"""
+
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import configurator
+import model as model_py
+import train
+from model import GPT, SIZES, apply_recipe, config_for, fp4_blocks
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+try:
+    import fp4
+    HAVE_FP4 = hasattr(fp4, 'to_fp4')
+except ImportError:
+    HAVE_FP4 = False
+needs_fp4 = pytest.mark.skipif(not HAVE_FP4, reason='fp4.to_fp4 not available yet')
+
+def load_script(path, name):
+    """data/*/prepare.py are scripts, not packages: load them by path."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+# -----------------------------------------------------------------------------
+# model
+
+# Quartet's names count non-embedding parameters (SPEC.md 6); '1b' counts everything
+NOMINAL = {'30m': 30e6, '50m': 50e6, '100m': 100e6, '200m': 200e6, '430m': 430e6, '800m': 800e6}
+
+@pytest.mark.parametrize('size', list(SIZES))
+def test_named_sizes(size):
+    cfg = config_for(size)
+    with torch.device('meta'):  # no memory for the weights
+        m = GPT(cfg)
+    if size in NOMINAL:
+        assert abs(m.get_num_params() / NOMINAL[size] - 1) < 0.05, m.get_num_params()
+    if size == '1b':
+        assert 1.0e9 < m.get_num_params(non_embedding=False) < 1.3e9
+    # FP4 recipes need every block linear's dims to be multiples of 128
+    assert cfg.ffn_hidden % 256 == 0 and cfg.ffn_hidden >= 8 * cfg.n_embd / 3
+    for name, mod in m.transformer.h.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            assert mod.in_features % 128 == 0 and mod.out_features % 128 == 0, name
+
+def test_quartet_shapes():
+    for size, (L, d, h) in {'30m': (6, 640, 5), '50m': (7, 768, 6), '100m': (8, 1024, 8),
+                            '200m': (10, 1280, 10), '430m': (13, 1664, 13),
+                            '800m': (16, 2048, 16), '1b': (16, 2048, 16)}.items():
+        c = config_for(size)
+        assert (c.n_layer, c.n_embd, c.n_head) == (L, d, h)
+    assert config_for('30m').ffn_hidden == 1792  # 8 * 640 / 3 = 1706.7 -> 1792
+
+@pytest.mark.parametrize('n_kv_head', [0, 1])
+def test_forward_shapes_and_causality(n_kv_head):
+    torch.manual_seed(0)
+    m = GPT(config_for('tiny', vocab_size=256, block_size=16, n_kv_head=n_kv_head))
+    if n_kv_head:
+        assert m.transformer.h[0].attn.qkv.out_features == 128 + 2 * 64  # 2 q heads, 1 kv head
+    idx = torch.randint(0, 256, (3, 16))
+    logits, loss = m(idx, idx)
+    assert logits.shape == (3, 16, 256)
+    assert abs(loss.item() - math.log(256)) < 0.5  # near uniform at init
+    last, none = m(idx)
+    assert last.shape == (3, 1, 256) and none is None
+    # changing the last token must not change the logits before it
+    idx2 = idx.clone()
+    idx2[:, -1] = (idx2[:, -1] + 1) % 256
+    logits2, _ = m(idx2, idx2)
+    torch.testing.assert_close(logits[:, :-1], logits2[:, :-1])
+    assert m.generate(idx[:, :4], 3).shape == (3, 7)
+
+def test_optimizer_groups():
+    m = GPT(config_for('tiny', vocab_size=256, block_size=16))
+    opt = m.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
+    decay, no_decay = opt.param_groups
+    assert decay['weight_decay'] == 0.1 and no_decay['weight_decay'] == 0.0
+    assert all(p.dim() >= 2 for p in decay['params'])
+    assert all(p.dim() == 1 for p in no_decay['params'])  # the RMSNorm weights
+    assert opt.defaults['betas'] == (0.9, 0.95)
+
+@pytest.mark.parametrize('recipe', ['bf16', 'quartet', 'nvfp4', 'quartet2'])
+def test_apply_recipe_placement(recipe, monkeypatch):
+    """Which modules reach fp4.to_fp4: the blocks only; nvfp4 spares the first and last."""
+    seen = []
+    stub = type(sys)('fp4')
+    stub.to_fp4 = lambda module, recipe, skip=None: seen.append((module, recipe)) or module
+    monkeypatch.setitem(sys.modules, 'fp4', stub)
+    m = GPT(config_for('tiny', vocab_size=256, block_size=16))
+    apply_recipe(m, recipe)
+    blocks = list(m.transformer.h)
+    want = {'bf16': [], 'nvfp4': blocks[1:-1]}.get(recipe, blocks)
+    assert [mod for mod, _ in seen] == want
+    assert all(r == recipe for _, r in seen)
+    assert fp4_blocks(16, 'nvfp4') == list(range(1, 15))  # 2 of 16 blocks stay BF16 (12.5%)
+    with pytest.raises(ValueError, match='unknown recipe'):
+        apply_recipe(m, 'fp3')
+
+@needs_fp4
+@pytest.mark.parametrize('recipe', ['quartet', 'nvfp4', 'quartet2'])
+def test_apply_recipe_real(recipe):
+    m = GPT(config_for('tiny', vocab_size=256, block_size=16))
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    apply_recipe(m, recipe)
+    L = m.config.n_layer
+    for i, block in enumerate(m.transformer.h):
+        fp4_here = recipe != 'nvfp4' or 0 < i < L - 1
+        for lin in (block.attn.qkv, block.attn.o, block.mlp.gate_up, block.mlp.down):
+            assert isinstance(lin, fp4.FP4Linear) == fp4_here, (i, lin)
+    assert type(m.lm_head) is torch.nn.Linear
+    after = m.state_dict()
+    for k, v in before.items():  # same keys, weights copied
+        torch.testing.assert_close(after[k], v)
+
+# -----------------------------------------------------------------------------
+# training runs on a synthetic corpus
+
+def write_corpus(path, vocab=256, n=40_000, seed=0):
+    """Documents that follow a fixed bigram rule, x[t+1] = (5 x[t] + 3) % vocab, restarting
+    at random tokens: a tiny model learns it in a few steps, so the loss must fall."""
+    rng = np.random.default_rng(seed)
+    for split, size in (('train', n), ('val', n // 8)):
+        toks = np.empty(size, dtype=np.uint32)
+        toks[0] = rng.integers(1, vocab)
+        restart = rng.random(size) < 0.05
+        for t in range(1, size):
+            toks[t] = rng.integers(1, vocab) if restart[t] else (5 * toks[t - 1] + 3) % vocab
+        toks.tofile(os.path.join(path, f'{split}.bin'))
+    with open(os.path.join(path, 'meta.json'), 'w') as f:
+        json.dump(dict(vocab_size=vocab, eot_token=0, dtype='uint32', encoding='synthetic'), f)
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp('corpus')
+    write_corpus(str(path))
+    return str(path)
+
+def run(corpus, out_dir, *args):
+    argv = [f'--data_dir={corpus}', f'--out_dir={out_dir}', '--model_size=tiny', '--block_size=32',
+            '--batch_size=8', '--eval_iters=2', '--learning_rate=0.01', '--device=cpu',
+            '--dtype=float32', '--compile=False', *args]
+    return train.main(argv)
+
+@pytest.mark.parametrize('recipe', [
+    'bf16',
+    pytest.param('quartet', marks=needs_fp4),
+    pytest.param('nvfp4', marks=needs_fp4),
+    pytest.param('quartet2', marks=needs_fp4),
+])
+def test_loss_decreases(corpus, tmp_path, recipe):
+    s = run(corpus, tmp_path, f'--recipe={recipe}', '--max_iters=15', '--eval_interval=15')
+    curve = s['loss_curve']
+    assert curve['val_steps'] == [0, 15]
+    first, last = curve['val_loss']
+    assert first > 5.0 and last < first - 0.6, curve['val_loss']  # ln 256 = 5.55
+    assert np.mean(curve['train_loss'][-3:]) < curve['train_loss'][0] - 0.5, curve['train_loss']
+    # what a device run collects
+    with open(tmp_path / 'summary.json') as f:
+        saved = json.load(f)
+    assert saved['val_loss'] == last and saved['recipe'] == recipe
+    assert saved['tokens_per_s'] > 0 and saved['peak_mem_gib'] > 0
+    assert (tmp_path / 'loss.png').stat().st_size > 1000
+    log = (tmp_path / 'train.log').read_text()
+    assert 'config: {' in log and 'torch ' in log and 'step 14/15 | loss' in log
+    assert 'val_loss=' in log and 'tokens_per_s=' in log and 'peak_mem_gib=' in log
+
+@pytest.mark.parametrize('recipe,accum,steps', [
+    ('bf16', 2, 8),
+    pytest.param('quartet', 1, 4, marks=needs_fp4),   # the FP4 recipes draw random signs
+    pytest.param('quartet2', 1, 4, marks=needs_fp4),  # and SR noise from the RNG
+])
+def test_resume_is_bit_identical(corpus, tmp_path, recipe, accum, steps):
+    """Stop halfway and resume: the later steps and the final eval match the uninterrupted
+    run exactly (model, optimizer, RNG and data position all come from the checkpoint)."""
+    half = steps // 2
+    common = [f'--recipe={recipe}', f'--eval_interval={half}', f'--lr_decay_iters={steps}',
+              f'--gradient_accumulation_steps={accum}']
+    full = run(corpus, tmp_path / 'full', f'--max_iters={steps}', *common)
+    run(corpus, tmp_path / 'part', f'--max_iters={half}', *common)
+    ckpt = torch.load(tmp_path / 'part' / 'ckpt.pt', weights_only=False)
+    assert ckpt['iter_num'] == half and ckpt['data']['step'] == half
+    resumed = run(corpus, tmp_path / 'part', f'--max_iters={steps}', '--resume=True', *common)
+    a, b = full['loss_curve'], resumed['loss_curve']
+    assert b['steps'] == list(range(steps))
+    assert a['train_loss'] == b['train_loss']  # exact float equality, not a tolerance
+    assert a['val_loss'] == b['val_loss'] and a['val_steps'] == b['val_steps']
+
+def file_hash(path):
+    with open(path, 'rb') as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+def test_nan_stops_cleanly(corpus, tmp_path):
+    run(corpus, tmp_path, '--recipe=bf16', '--max_iters=2', '--eval_interval=2')
+    ckpt_path = tmp_path / 'ckpt.pt'
+    before = file_hash(ckpt_path)
+    with pytest.raises(SystemExit) as e:
+        run(corpus, tmp_path, '--recipe=bf16', '--max_iters=6', '--eval_interval=2',
+            '--resume=True', '--debug_nan_step=3')
+    msg = str(e.value.code)  # a str code: Python prints it and exits with status 1
+    assert 'non-finite' in msg and 'step 3' in msg
+    assert file_hash(ckpt_path) == before  # nothing saved after the bad step
+    ckpt = torch.load(ckpt_path, weights_only=False)
+    m = GPT(model_py.GPTConfig(**ckpt['model_args']))
+    m.load_state_dict(ckpt['model'])
+    assert ckpt['iter_num'] == 2
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+def test_lr_schedule(monkeypatch):
+    monkeypatch.setattr(train, 'learning_rate', 1.0)
+    monkeypatch.setattr(train, 'min_lr_frac', 0.1)
+    lrs = [train.get_lr(it, 10, 100) for it in range(101)]
+    assert lrs[0] < lrs[5] < lrs[9] <= 1.0  # warmup
+    assert lrs[10] == pytest.approx(1.0) and lrs[100] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))  # cosine decays monotonically
+
+# -----------------------------------------------------------------------------
+# configuration errors
+
+def test_config_errors(tmp_path):
+    defaults = train.DEFAULTS
+    with pytest.raises(configurator.ConfigError, match="unknown config key 'batchsize'.*batch_size"):
+        configurator.configure(defaults, ['--batchsize=4'])
+    with pytest.raises(configurator.ConfigError, match="'batch_size'.*wants a int"):
+        configurator.configure(defaults, ['--batch_size=four'])
+    with pytest.raises(configurator.ConfigError, match="'resume'.*wants a bool"):
+        configurator.configure(defaults, ['--resume=1'])
+    with pytest.raises(configurator.ConfigError, match='--key=value'):
+        configurator.configure(defaults, ['--resume'])
+    assert configurator.configure(defaults, ['--learning_rate=1', '--recipe=nvfp4']) == \
+        {'learning_rate': 1.0, 'recipe': 'nvfp4'}
+    cfg = tmp_path / 'c.py'
+    cfg.write_text('import math\nmax_iters = 7\nlearning_rate = math.pi\n')
+    assert configurator.configure(defaults, [str(cfg), '--max_iters=9']) == \
+        {'max_iters': 9, 'learning_rate': math.pi}
+    cfg.write_text('max_iter = 7\n')
+    with pytest.raises(configurator.ConfigError, match="unknown config key 'max_iter'"):
+        configurator.configure(defaults, [str(cfg)])
+    with pytest.raises(configurator.ConfigError, match="unknown recipe 'fp3'.*quartet2"):
+        train.main(['--recipe=fp3', f'--out_dir={tmp_path}'])
+    with pytest.raises(configurator.ConfigError, match="unknown model_size"):
+        train.main(['--model_size=7b', f'--out_dir={tmp_path}'])
+
+def test_config_files_parse():
+    for fn in sorted(os.listdir(os.path.join(HERE, 'config'))):
+        if fn.endswith('.py'):
+            configurator.configure(train.DEFAULTS, [os.path.join(HERE, 'config', fn)])
+
+def test_cli_bad_key_exits_nonzero():
+    p = subprocess.run([sys.executable, 'train.py', '--no_such_key=1'], cwd=HERE,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert "config error: unknown config key 'no_such_key'" in p.stderr
+
+# -----------------------------------------------------------------------------
+# data preparation
+
+def decode_docs(path, eot):
+    toks = np.fromfile(path, dtype=np.uint32)
+    starts = np.flatnonzero(toks == eot)
+    assert len(toks) == 0 or starts[0] == 0  # every document begins with EOT
+    return [toks[a + 1:b].tolist() for a, b in zip(starts, list(starts[1:]) + [len(toks)])]
+
+def test_prepare_pycode(tmp_path):
+    prep = load_script('data/pycode/prepare.py', 'pycode_prepare')
+    src = tmp_path / 'src'
+    texts = {f'pkg/m{i}.py': f'def f{i}(x):\n    return x * {i}  # file {i}\n' for i in range(30)}
+    texts['pkg/site-packages/skipped.py'] = 'nested site-packages belong to their own root\n'
+    texts['notes.txt'] = 'not python\n'
+    for name, text in texts.items():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_text(text)
+    out = tmp_path / 'out'
+    meta = prep.prepare(str(out), max_chars=1e6, roots={'t': str(src)}, val_percent=30)
+    enc = prep.get_encoding()
+    assert meta['vocab_size'] == 100277 and meta['eot_token'] == enc.eot_token == 100257
+    got = {s: [enc.decode(d) for d in decode_docs(out / f'{s}.bin', enc.eot_token)]
+           for s in ('train', 'val')}
+    py = [t for n, t in texts.items() if n.endswith('.py') and 'site-packages' not in n]
+    assert sorted(got['train'] + got['val']) == sorted(py)  # split by file, nothing lost
+    assert 0 < len(got['val']) < len(got['train'])
+    assert meta['train_files'] == len(got['train']) and meta['val_files'] == len(got['val'])
+    assert meta['train_tokens'] == os.path.getsize(out / 'train.bin') // 4
+    with open(out / 'meta.json') as f:
+        assert json.load(f) == meta
+    # deterministic: same files, same split, same bytes
+    first = file_hash(out / 'train.bin')
+    prep.prepare(str(out), max_chars=1e6, roots={'t': str(src)}, val_percent=30)
+    assert file_hash(out / 'train.bin') == first
+    # the cap
+    small = prep.prepare(str(tmp_path / 'small'), max_chars=200, roots={'t': str(src)})
+    assert 0 < small['chars'] <= 200
+
+def test_prepare_fineweb_tokenize_and_write(tmp_path):
+    prep = load_script('data/fineweb/prepare.py', 'fineweb_prepare')
+    docs = [f'Document number {i}. Education is the kindling of a flame.' for i in range(10)]
+    meta = prep.tokenize_and_write(iter(docs), str(tmp_path), val_every=4, source='test')
+    enc = prep.get_encoding()
+    train_docs = [enc.decode(d) for d in decode_docs(tmp_path / 'train.bin', enc.eot_token)]
+    val_docs = [enc.decode(d) for d in decode_docs(tmp_path / 'val.bin', enc.eot_token)]
+    assert val_docs == [docs[0], docs[4], docs[8]]
+    assert train_docs == [d for i, d in enumerate(docs) if i % 4]
+    assert meta['val_docs'] == 3 and meta['train_docs'] == 7 and meta['source'] == 'test'
+    assert meta['train_tokens'] + meta['val_tokens'] == \
+        (os.path.getsize(tmp_path / 'train.bin') + os.path.getsize(tmp_path / 'val.bin')) // 4
+    assert not any(p.name.endswith('.tmp') for p in tmp_path.iterdir())
+    # max_tokens stops the stream after the batch that crosses it
+    meta = prep.tokenize_and_write(iter(docs), str(tmp_path), max_tokens=1, batch=2)
+    assert meta['train_docs'] + meta['val_docs'] == 2
