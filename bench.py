@@ -151,13 +151,281 @@ def section_kernels(args):
     return rows
 
 
-SECTIONS = {"kernels": section_kernels}
+# ---------------------------------------------------------------------------------------------
+# accum: how wide is Hopper's FP8 fast-accumulation accumulator? (fp4.FAST_ACCUM_BITS)
+
+def accum_bits(device="cuda", k=64):
+    """Significant bits p that Hopper's fast-accumulation mode keeps: one product 2^b and K - 1
+    products 2^-j (all E4M3-exact) sum exactly iff p >= b + j + 1 (and the FP32 output holds
+    them: p is found up to 24). The big product first, in the middle and last."""
+    best = None
+    for t in range(2, 24):
+        b = min(t, 16)
+        j = t - b
+        a_big, b_big = 2.0 ** ((b + 1) // 2), 2.0 ** (b // 2)
+        a_small, b_small = 2.0 ** -min(j, 9), 2.0 ** -(j - min(j, 9))
+        exact = True
+        for pos in (0, k // 2, k - 1):
+            a = torch.full((16, k), a_small, device=device)
+            w = torch.full((16, k), b_small, device=device)
+            a[:, pos], w[:, pos] = a_big, b_big
+            one = torch.ones(16, 1, device=device)
+            y = torch._scaled_mm(a.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn).t(), scale_a=one,
+                                 scale_b=one.t(), out_dtype=torch.float32, use_fast_accum=True)
+            exact &= bool((y.double() == 2.0**b + (k - 1) * 2.0**-j).all())
+        if not exact:
+            break
+        best = t + 1
+    return best
+
+
+def section_accum(args):
+    p = accum_bits()
+    rows = [dict(what="fast-accumulation significant bits (exact sums)", value=p)]
+    if p is None:
+        print_table(rows, ["what", "value"])
+        return rows
+    # validate the bound on MXFP4 data: at the largest K it allows (span 0), fast == FP64 product
+    bits = p - 1  # one bit of margin
+    k = max(32, (2 ** bits // 144) // 32 * 32)
+    x = torch.randn(512, k, device="cuda")
+    a = fp4.quantize(torch.sign(x) * 4 + x.clamp(-1, 1))  # every block exponent equal: span 0
+    fp4.FAST_ACCUM_BITS = bits
+    exact = fp4.fast_accum_ok(a, a)
+    got = fp4.mm(a, a, torch.float32, backend="fp8")
+    want = fp4.dequantize(a).double() @ fp4.dequantize(a).double().t()
+    rows.append(dict(what=f"bound holds at K={k} (span 0), result == FP64", value=bool(exact) and bool((got.double() == want).all())))
+    # beyond the bound: all-positive worst case at 16x that K
+    k2 = 16 * k
+    a2 = fp4.quantize(torch.full((256, k2), 6.0, device="cuda") - torch.rand(256, k2, device="cuda"))
+    y2 = torch._scaled_mm(*_fold_pair(a2, a2), out_dtype=torch.float32, use_fast_accum=True)
+    w2 = fp4.dequantize(a2).double() @ fp4.dequantize(a2).double().t()
+    rows.append(dict(what=f"outside the bound (K={k2}, all positive): max rel error", value=float(((y2.double() - w2).abs() / w2.abs()).max())))
+    print_table(rows, ["what", "value"])
+    return rows
+
+
+def _fold_pair(a, b):
+    a8, sa = fp4.fold_mx(a)
+    b8, sb = fp4.fold_mx(b)
+    return a8, b8.t(), sa.unsqueeze(1), sb.unsqueeze(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# linear: FP4Linear forward + backward per recipe vs BF16 nn.Linear and an FP8 row-wise linear
+
+LINEAR_SHAPES = [(2048, 6144), (2048, 2048), (2048, 11264), (5632, 2048)]  # Llama-1B, in -> out
+
+
+class FP8RowwiseLinear(torch.autograd.Function):
+    """The FP8 baseline: all three GEMMs in E4M3 with row-wise scales (torch._scaled_mm), the
+    quantizations in plain PyTorch (not fused)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return _fp8_mm(x, w)
+
+    @staticmethod
+    def backward(ctx, e):
+        x, w = ctx.saved_tensors
+        return _fp8_mm(e, w.t().contiguous()), _fp8_mm(e.t().contiguous(), x.t().contiguous())
+
+
+def _fp8_rows(t):
+    s = (t.abs().amax(-1, keepdim=True).float() / 448).clamp(min=1e-30)
+    return (t / s).to(torch.float8_e4m3fn), s
+
+
+def _fp8_mm(a, b):
+    """a (M, K) @ b (N, K)^T with both row-wise FP8 along K."""
+    a8, sa = _fp8_rows(a)
+    b8, sb = _fp8_rows(b)
+    return torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16,
+                            use_fast_accum=True)
+
+
+def _fwd_bwd(layer, x, grad):
+    def run():
+        x.grad = None
+        layer(x).backward(grad)
+    return run
+
+
+def section_linear(args):
+    rows, m = [], args.tokens
+    for k, n in LINEAR_SHAPES:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        ref = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        layers = {"bf16": ref, "fp8-rowwise": lambda t: FP8RowwiseLinear.apply(t, ref.weight)}
+        for recipe in ("quartet", "nvfp4", "quartet2"):
+            lin = fp4.FP4Linear(k, n, recipe=recipe, device="cuda", dtype=torch.bfloat16)
+            lin.weight = ref.weight
+            layers[recipe] = lin
+        base = None
+        for name, layer in layers.items():
+            ms = bench(_fwd_bwd(layer, x, grad))
+            mem = _saved_bytes(layer, x)
+            base = base or ms
+            rows.append(dict(shape=f"{m}x{k}->{n}", layer=name, ms=round(ms, 3),
+                             speedup_vs_bf16=round(base / ms, 3), saved_for_backward_mib=round(mem / 2**20, 1)))
+    for name in ("bf16", "fp8-rowwise", "quartet", "nvfp4", "quartet2"):
+        total = sum(r["ms"] for r in rows if r["layer"] == name)
+        total_bf16 = sum(r["ms"] for r in rows if r["layer"] == "bf16")
+        rows.append(dict(shape="sum of 4 shapes", layer=name, ms=round(total, 3),
+                         speedup_vs_bf16=round(total_bf16 / total, 3), saved_for_backward_mib=None))
+    print_table(rows, ["shape", "layer", "ms", "speedup_vs_bf16", "saved_for_backward_mib"])
+    return rows
+
+
+def _saved_bytes(layer, x):
+    """Device memory the forward leaves allocated for the backward (output excluded)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = layer(x)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+    del y
+    return held
+
+
+# ---------------------------------------------------------------------------------------------
+# step: one training step of the ~1B Llama per recipe (tokens/s, peak memory), same run
+
+class FP8Linear(torch.nn.Linear):
+    """The FP8 row-wise baseline as a module (all three GEMMs in E4M3, see FP8RowwiseLinear)."""
+
+    def forward(self, x):
+        y = FP8RowwiseLinear.apply(x.reshape(-1, self.in_features).to(torch.bfloat16), self.weight.to(torch.bfloat16))
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def _fp8_model(model):
+    for name, mod in list(model.named_modules()):
+        for cname, child in list(mod.named_children()):
+            if type(child) is torch.nn.Linear and "lm_head" not in f"{name}.{cname}":
+                new = FP8Linear(child.in_features, child.out_features, bias=False, device="meta")
+                new.weight = child.weight
+                setattr(mod, cname, new)
+    return model
+
+
+def section_step(args):
+    import model as llama
+    rows, base = [], None
+    for recipe in ("bf16", "fp8-rowwise", "quartet", "nvfp4", "quartet2"):
+        torch.manual_seed(0)
+        cfg = llama.config_for(args.model, block_size=args.seq)
+        net = llama.GPT(cfg).cuda()
+        net = _fp8_model(net) if recipe == "fp8-rowwise" else llama.apply_recipe(net, recipe)
+        opt = net.configure_optimizers(0.1, 1e-4, (0.9, 0.95))
+        idx = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device="cuda")
+        x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+        def step():
+            with torch.autocast("cuda", torch.bfloat16):
+                _, loss = net(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        ms = bench(step, warmup=1, reps=args.step_reps)
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        tok_s = args.batch * args.seq / (ms / 1000)
+        base = base or (tok_s, peak)
+        rows.append(dict(model=args.model, recipe=recipe, tokens_per_step=args.batch * args.seq,
+                         ms=round(ms, 1), tokens_per_s=round(tok_s), vs_bf16=round(tok_s / base[0], 3),
+                         peak_gib=round(peak, 2), mem_vs_bf16=round(peak / base[1], 3)))
+        del net, opt
+        torch.cuda.empty_cache()
+    print_table(rows, ["model", "recipe", "tokens_per_step", "ms", "tokens_per_s", "vs_bf16", "peak_gib", "mem_vs_bf16"])
+    return rows
+
+
+
+# ---------------------------------------------------------------------------------------------
+# profile: where one FP4Linear forward + backward spends its time (torch.profiler)
+
+def section_profile(args):
+    k, n, m = 2048, 2048, args.tokens
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for recipe in ("quartet", "nvfp4"):
+        lin = fp4.FP4Linear(k, n, recipe=recipe, device="cuda", dtype=torch.bfloat16)
+        run = _fwd_bwd(lin, x, grad)
+        bench(run, warmup=2, reps=3)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
+        print(f"--- {recipe}, {m}x{k}->{n}, by device time\n{table}")
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=10))
+        rows.append(dict(recipe=recipe, profile=table))
+    return rows
+
+
+
+# ---------------------------------------------------------------------------------------------
+# overhead: host time per call of each step of an FP4Linear (small tensors: the GPU waits on us)
+
+def section_overhead(args):
+    m = k = n = 256
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    e = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    s_cpu, s_gpu = fp4.random_signs(32, 1), fp4.random_signs(32, 1, "cuda")
+    qx = fp4.quantize(x, scale_rule="quest", hadamard=32)
+    lin = fp4.FP4Linear(k, n, device="cuda", dtype=torch.bfloat16)
+    xg = x.clone().requires_grad_()
+    steps = {
+        "torch.empty": lambda: torch.empty(m, k, device="cuda"),
+        "x.add_(0)": lambda: x.add_(0),
+        "quantize quest h32": lambda: fp4.quantize(x, scale_rule="quest", hadamard=32),
+        "quantize sr h32 cpu-signs": lambda: fp4.quantize(e, rounding="sr", hadamard=32, signs=s_cpu),
+        "quantize sr h32 gpu-signs": lambda: fp4.quantize(e, rounding="sr", hadamard=32, signs=s_gpu),
+        "quantize sr h32 axis0": lambda: fp4.quantize(e, axis=0, rounding="sr", hadamard=32, signs=s_cpu),
+        "requantize sr h32": lambda: fp4.requantize(qx, hadamard=32, signs=s_cpu),
+        "fold_mx": lambda: fp4.fold_mx(qx),
+        "mm fp8": lambda: fp4.mm(qx, qx),
+        "random_signs gpu": lambda: fp4.random_signs(32, 5, "cuda"),
+        "random_signs cpu": lambda: fp4.random_signs(32, 5),
+        "clip_mask": lambda: qx.clip_mask(),
+        "FP4Linear fwd": lambda: lin(x),
+        "FP4Linear fwd+bwd": lambda: lin(xg).sum().backward(),
+    }
+    rows = []
+    for name, fn in steps.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(50):
+            fn()
+        host = (time.perf_counter() - t) / 50
+        torch.cuda.synchronize()
+        total = (time.perf_counter() - t) / 50
+        rows.append(dict(step=name, host_us=round(host * 1e6, 1), with_sync_us=round(total * 1e6, 1)))
+    print_table(rows, ["step", "host_us", "with_sync_us"])
+    return rows
+
+
+SECTIONS = {"overhead": section_overhead, "profile": section_profile, "kernels": section_kernels, "accum": section_accum, "linear": section_linear, "step": section_step}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {list(SECTIONS)}")
     ap.add_argument("--out", default=None, help="folder for the JSON (default results/<gpu-name-slug>)")
+    ap.add_argument("--tokens", type=int, default=16384, help="linear: tokens (rows of X)")
+    ap.add_argument("--model", default="1b", help="step: a model.SIZES name")
+    ap.add_argument("--seq", type=int, default=2048, help="step: sequence length")
+    ap.add_argument("--batch", type=int, default=8, help="step: sequences per step")
+    ap.add_argument("--step-reps", type=int, default=4, help="step: timed steps")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.py needs a CUDA device")

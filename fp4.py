@@ -182,9 +182,10 @@ def uniform(seed, n, device="cpu"):
 
 
 def random_signs(n, seed, device="cpu"):
-    """A +-1 FP32 vector of length n for a random Hadamard rotation: sign i is - iff the draw
-    u[i] of uniform(seed, n) is >= 0.5."""
-    return torch.where(uniform(seed, n, device) < 0.5, 1.0, -1.0)
+    """A +-1 FP32 vector of length n for a random Hadamard rotation, from a CPU generator seeded
+    with `seed` (cheap: the backward draws fresh signs on every call; kernels take them as input)."""
+    bits = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed))
+    return (1.0 - 2.0 * bits.float()).to(device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,7 +200,7 @@ def _fwht(x, n, signs=None):
     contract (module docstring)."""
     shape = x.shape
     if signs is not None:
-        x = (x.reshape(-1, n) * signs).reshape(shape)
+        x = (x.reshape(-1, n) * signs.to(x.device)).reshape(shape)
     x = x.reshape(-1, n)
     h = 1
     while h < n:
@@ -216,21 +217,22 @@ def _fwht(x, n, signs=None):
     return (x * _hadamard_scale(n)).view(shape)
 
 
+@functools.cache
 def _hadamard_scale(n):
     return torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32).item()  # FP32-rounded
 
 
-def _check_hadamard(n, signs, k, device):
+def _check_hadamard(n, signs, k):
     if n not in HADAMARD_SIZES:
         raise ValueError(f"hadamard size must be one of {HADAMARD_SIZES} (or 0 for none), got {n!r}")
     if k % n:
         raise ValueError(f"dim of size {k} is not divisible by the Hadamard size {n}")
-    if signs is not None:
+    if signs is not None:  # n <= 128 values: checked and kept on the host (no device sync later)
         if signs.shape != (n,):
             raise ValueError(f"signs must have shape ({n},), got {tuple(signs.shape)}")
+        signs = signs.detach().to("cpu", torch.float32)
         if not bool(((signs == 1) | (signs == -1)).all()):
             raise ValueError("signs must be +1 or -1")
-        signs = signs.to(device=device, dtype=torch.float32)
     return signs
 
 
@@ -239,7 +241,7 @@ def hadamard(x, n, signs=None, axis=-1):
     Without signs, applying it twice gives x back (up to FP32 rounding)."""
     _check_input(x)
     xm = x.movedim(axis, -1)
-    signs = _check_hadamard(n, signs, xm.shape[-1], x.device)
+    signs = _check_hadamard(n, signs, xm.shape[-1])
     return _fwht(xm.float(), n, signs).to(x.dtype).movedim(-1, axis)
 
 
@@ -338,7 +340,7 @@ def quantize(x, fmt="mxfp4", axis=-1, scale_rule="absmax", rounding="rn", hadama
         raise ValueError(f"block2d needs both dims divisible by 16, got {tuple(x.shape)}")
     xf = xm.reshape(-1, k).float()  # (R, K)
     if hadamard:
-        xf = _fwht(xf, hadamard, _check_hadamard(hadamard, signs, k, x.device))
+        xf = _fwht(xf, hadamard, _check_hadamard(hadamard, signs, k))
     elif signs is not None:
         raise ValueError("signs given without a Hadamard size")
     quant = _quantize_mx if fmt == "mxfp4" else _quantize_nv
@@ -561,9 +563,12 @@ MM_BACKENDS = ("emulated", "bf16", "fp8", "native")
 # Hopper's FP8 tensor cores with use_fast_accum keep partial sums in a narrower accumulator.
 # Every folded MXFP4 element is m * 2^(d - 1), m an integer <= 12, d >= -span (the row's block-
 # exponent span), so products are multiples of 2^(-2 - span_a - span_b) and at most 36 in size:
-# every partial sum is exact while K * 144 * 2^(span_a + span_b) <= 2^FAST_ACCUM_BITS. The
-# accumulator's width was measured on the H200 (bench.py --sections accum); 0 disables fast mode.
-FAST_ACCUM_BITS = int(os.environ.get("FP4_FAST_ACCUM_BITS", "0"))
+# every partial sum is exact while K * 144 * 2^(span_a + span_b) <= 2^FAST_ACCUM_BITS. Measured
+# on the H200 (bench.py --sections accum, results/nvidia-h200/bench_accum.json): the fast mode
+# keeps 14 significant bits, so it is provably exact only for K <= 113 at span 0. Real layers
+# (K >= 2048) therefore use the promoted (exact FP32) mode; the 1.95x fast-mode probe in SPEC 7
+# was exact only because its partial sums happened to stay small. 0 disables the fast mode.
+FAST_ACCUM_BITS = int(os.environ.get("FP4_FAST_ACCUM_BITS", "14"))
 
 
 def mm(a, b, out_dtype=torch.bfloat16, backend=None):
@@ -616,22 +621,27 @@ def _mm_bf16(a, b, out_dtype):
     """Exact operands in BF16: MXFP4 values code * 2^e, NVFP4 values code * s (<= 6 significant
     bits; the tensor scales g multiply the FP32-accumulated product instead)."""
     if a.fmt == "mxfp4":
-        return (_dequantize_lead(a, torch.bfloat16) @ _dequantize_lead(b, torch.bfloat16).t()).to(out_dtype)
+        a1, b1 = _dequantize_lead(a, torch.bfloat16), _dequantize_lead(b, torch.bfloat16)
+        return _mm_f32(a1, b1).to(out_dtype)
     one = torch.ones((), device=a.codes.device)
     a1 = _dequantize_lead(QTensor(a.codes, a.scales, one, a.fmt, a.shape, a.axis), torch.bfloat16)
     b1 = _dequantize_lead(QTensor(b.codes, b.scales, one, b.fmt, b.shape, b.axis), torch.bfloat16)
-    y = torch.mm(a1, b1.t(), out_dtype=torch.float32) if _MM_OUT_DTYPE else (a1 @ b1.t()).float()
-    return (y * (a.tensor_scale * b.tensor_scale)).to(out_dtype)
+    return (_mm_f32(a1, b1) * (a.tensor_scale * b.tensor_scale)).to(out_dtype)
 
 
-_MM_OUT_DTYPE = "out_dtype" in (torch.mm.__doc__ or "")  # torch.mm(..., out_dtype=) exists
+def _mm_f32(a1, b1):
+    """BF16 operands, FP32 accumulation and FP32 output (not rounded to BF16 in between)."""
+    try:
+        return torch.mm(a1, b1.t(), out_dtype=torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):  # no mm(out_dtype=) here: FP32 GEMM
+        return a1.float() @ b1.float().t()
 
 
 def fast_accum_ok(a, b):
     """Whether fp8 fast accumulation is exact for these operands (the bound above)."""
-    if FAST_ACCUM_BITS <= 0:
-        return False
     k = a.lead_shape[1]
+    if k * 144 > 2**FAST_ACCUM_BITS:  # fails even at span 0: decided without reading the scales
+        return False
     return k * 144 * 2.0 ** (_exponent_span(a) + _exponent_span(b)) <= 2.0**FAST_ACCUM_BITS
 
 
@@ -723,16 +733,22 @@ def _unflat(codes, scales, mask, ts, fmt, shape):
                    mask if mask.numel() else None)
 
 
-@torch.library.custom_op("fp4::linear_fwd", mutates_args=())
-def _linear_fwd(x: torch.Tensor, w: torch.Tensor, recipe: str, out_dtype: torch.dtype) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _linear_fwd_impl(x, w, recipe, out_dtype):
     """Y (M, N) = Q(X) Q(W)^T for X (M, K), W (N, K); also returns the FP4 tensors the backward
     re-quantizes (codes, scales, mask, tensor scale of X, then of W) instead of BF16 copies."""
     r = RECIPES[recipe]
     qx = quantize(x, r["fmt"], **r["x"])
     qw = quantize(w, r["fmt"], **r["w"])
     return (mm(qx, qw, out_dtype),) + _flat(qx) + _flat(qw)
+
+
+# torch.compile sees the linear layer as two custom ops (opaque, no graph breaks); eager mode
+# calls the same functions through an autograd.Function, which dispatches faster.
+@torch.library.custom_op("fp4::linear_fwd", mutates_args=())
+def _linear_fwd(x: torch.Tensor, w: torch.Tensor, recipe: str, out_dtype: torch.dtype) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _linear_fwd_impl(x, w, recipe, out_dtype)
 
 
 @_linear_fwd.register_fake
@@ -751,6 +767,10 @@ def _(x, w, recipe, out_dtype):
 def _linear_bwd(e: torch.Tensor, xc: torch.Tensor, xs: torch.Tensor, xm: torch.Tensor, xg: torch.Tensor,
                 wc: torch.Tensor, ws: torch.Tensor, wm: torch.Tensor, wg: torch.Tensor, recipe: str,
                 x_dtype: torch.dtype, w_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return _linear_bwd_impl(e, xc, xs, xm, xg, wc, ws, wm, wg, recipe, x_dtype, w_dtype)
+
+
+def _linear_bwd_impl(e, xc, xs, xm, xg, wc, ws, wm, wg, recipe, x_dtype, w_dtype):
     """dX = E Q(W) and dW = E^T Q(X), both GEMMs on FP4 operands. Fresh seeds and Hadamard signs
     on every call, drawn from torch's default generator (so a checkpointed RNG resumes exactly)."""
     r = RECIPES[recipe]
@@ -815,6 +835,21 @@ def _linear_backward(ctx, grad_y, *_):
 torch.library.register_autograd("fp4::linear_fwd", _linear_backward, setup_context=_linear_setup)
 
 
+class _LinearFn(torch.autograd.Function):
+    """The eager twin of the custom ops above (same functions, less dispatch overhead)."""
+
+    @staticmethod
+    def forward(ctx, x, w, recipe, out_dtype):
+        out = _linear_fwd_impl(x, w, recipe, out_dtype)
+        _linear_setup(ctx, (x, w, recipe, out_dtype), out)
+        return out[0]
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        dx, dw = _linear_bwd_impl(grad_y.contiguous(), *ctx.saved_tensors, ctx.recipe, ctx.x_dtype, ctx.w_dtype)
+        return dx, dw, None, None
+
+
 class FP4Linear(torch.nn.Linear):
     """nn.Linear whose forward, input-gradient and weight-gradient GEMMs run on FP4 operands
     under `recipe` (RECIPES). Same parameters and state_dict as nn.Linear."""
@@ -833,7 +868,11 @@ class FP4Linear(torch.nn.Linear):
         if x2.shape[0] % _dim_multiple(self.recipe):
             raise ValueError(f"recipe {self.recipe!r} needs the token count (batch * seq = {x2.shape[0]}) divisible by {_dim_multiple(self.recipe)}")
         out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        y = _linear_fwd(x2.to(out_dtype) if x2.dtype != out_dtype else x2, self.weight, self.recipe, out_dtype)[0]
+        x2 = x2.to(out_dtype) if x2.dtype != out_dtype else x2
+        if torch.compiler.is_compiling():
+            y = _linear_fwd(x2, self.weight, self.recipe, out_dtype)[0]
+        else:
+            y = _LinearFn.apply(x2, self.weight, self.recipe, out_dtype)
         y = y.view(*x.shape[:-1], self.out_features)
         return y + self.bias.to(y.dtype) if self.bias is not None else y
 
@@ -884,7 +923,6 @@ def _cupy():
         return None
 
 
-import functools  # (kept in this section: the kernel dispatch is its only user)
 
 _KERNELS_CU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cu")
 # IEEE FP32 as the reference computes it: no FMA contraction, subnormals kept, exact div/sqrt.
@@ -966,8 +1004,17 @@ def _launch(device, name, grid, block, args):
     fn = _kernel_function(index, name)
     if _LAUNCH_LOG is not None:
         _LAUNCH_LOG.append((fn, index, grid, block, args))
-    with cp.cuda.Device(index), cp.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream):
-        fn(grid, block, args)
+    with cp.cuda.Device(index):
+        fn(grid, block, args, stream=_cupy_stream(torch.cuda.current_stream(device).cuda_stream, index))
+
+
+@functools.lru_cache(maxsize=64)
+def _cupy_stream(ptr, index):
+    """CuPy's handle on one of torch's streams, made once per stream (not once per launch)."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # ExternalStream: fine for a raw pointer
+        return _cupy().cuda.ExternalStream(ptr, index)
 
 
 def _ptr(t):
@@ -980,11 +1027,12 @@ def _aligned(t):
 
 
 def _sign_words(signs):
-    """+-1 signs (n,) -> int32 words on the device, bit i of word w set iff sign 32w + i is -1."""
-    bits = (signs < 0).to(torch.int64)
-    bits = torch.nn.functional.pad(bits, (0, -len(bits) % 32)).view(-1, 32)
-    words = (bits << torch.arange(32, device=bits.device)).sum(-1)
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    """+-1 CPU signs (n <= 128,) -> 4 uint32 words (kernel arguments by value), bit i of word w
+    set iff sign 32w + i is -1; words past n are 0."""
+    words = [0, 0, 0, 0]
+    for i, neg in enumerate((signs < 0).tolist()):
+        words[i // 32] |= int(neg) << (i % 32)
+    return words
 
 
 def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, signs, seed, block2d):
@@ -1001,12 +1049,12 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
     codes = torch.empty(rows, kq // 2, dtype=torch.uint8, device=dev)
     scales = torch.empty(rows, kq // bs, dtype=torch.uint8, device=dev)
     mask = torch.empty(rows, kq // 8, dtype=torch.uint8, device=dev) if scale_rule == "quest" else None
-    signw = _sign_words(signs) if signs is not None else None
+    signw = _sign_words(signs) if signs is not None else [0, 0, 0, 0]
     amax = torch.zeros(1, dtype=torch.int32, device=dev) if nv else None
     tiles = torch.zeros(rows // 16, kq // 16, dtype=torch.int32, device=dev) if block2d else None
     g = None
     if _LAUNCH_LOG is not None:
-        _LAUNCH_LOG.append(("keepalive", signw, amax, tiles))
+        _LAUNCH_LOG.append(("keepalive", amax, tiles))
     name = (f"{'quant_rows' if kind == 'rows' else 'quant_cols'}<{src_kind}, {g_size}, {str(nv).lower()}, "
             f"{_RULE_ID[scale_rule]}, {_ROUND_ID[rounding]}>")
     if kind == "rows":
@@ -1024,7 +1072,8 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
     hs = np.float32(_hadamard_scale(hadamard) if hadamard else 0.0)
 
     def args(pass_, g_):
-        return head + (np.int32(hadamard), hs, _ptr(signw), np.uint32(seed & _M32), np.uint32(hash_key(seed, 0)),
+        return head + (np.int32(hadamard), hs, np.int32(signs is not None), *(np.uint32(w) for w in signw),
+                       np.uint32(seed & _M32), np.uint32(hash_key(seed, 0)),
                        np.int32(pass_), _ptr(codes), _ptr(scales), _ptr(mask), _ptr(g_), _ptr(amax), _ptr(tiles))
 
     if nv:  # pre-pass: amax over the finite (rotated) blocks -> g (fp4._tensor_scale); tile amax
@@ -1045,7 +1094,7 @@ def _kernel_quantize(x, fmt, axis, scale_rule, rounding, hadamard, signs, seed, 
     if block2d and xm.shape[0] % 16:
         raise ValueError(f"block2d needs both dims divisible by 16, got {tuple(x.shape)}")
     if hadamard:
-        signs = _check_hadamard(hadamard, signs, k, x.device)
+        signs = _check_hadamard(hadamard, signs, k)
     elif signs is not None:
         raise ValueError("signs given without a Hadamard size")
     lead = xm.shape[:-1]
@@ -1086,7 +1135,7 @@ def _kernel_requantize(q, fmt, scale_rule, rounding, hadamard, signs, seed):
     k = q.shape[axis]
     _check_options(fmt, scale_rule, rounding, False, k, 2)
     if hadamard:
-        signs = _check_hadamard(hadamard, signs, k, q.codes.device)
+        signs = _check_hadamard(hadamard, signs, k)
     elif signs is not None:
         raise ValueError("signs given without a Hadamard size")
     r_in, k_in = q.lead_shape  # the input layout; the output's quantized axis is r_in (== k)

@@ -183,15 +183,16 @@ struct QParams {
   u32 Kout;         // length of the quantized axis
 };
 
-__device__ __forceinline__ void load_signs(QParams& p, const u32* signw) {
-  p.has_signs = signw != nullptr;
+// The signs arrive by value (no device copy per call): bit i of word w set iff sign 32w + i is -1.
+__device__ __forceinline__ void load_signs(QParams& p, int has_signs, u32 s0, u32 s1, u32 s2, u32 s3) {
+  p.has_signs = has_signs;
   if (!p.has_signs) return;
   // element i of the group uses sign (i mod H): group word i/32 is signs word (i/32) mod (H/32)
-  u32 w0 = signw[0];
+  u32 w0 = s0;
   if (p.H == 16) w0 = (w0 & 0xFFFFu) | (w0 << 16);
-  u32 w1 = p.H >= 64 ? signw[1] : w0;
-  u32 w2 = p.H == 128 ? signw[2] : w0;
-  u32 w3 = p.H == 128 ? signw[3] : w1;
+  u32 w1 = p.H >= 64 ? s1 : w0;
+  u32 w2 = p.H == 128 ? s2 : w0;
+  u32 w3 = p.H == 128 ? s3 : w1;
   p.sw[0] = w0; p.sw[1] = w1; p.sw[2] = w2; p.sw[3] = w3;
 }
 
@@ -476,14 +477,14 @@ __device__ __forceinline__ float load_one(const void* src, u64 off) {
 
 template <int SRC, int G, bool NV, int RULE, int RND>
 __global__ void __launch_bounds__(256) quant_rows(
-    const void* __restrict__ x, u32 R, u32 K, int H, float hs, const u32* __restrict__ signw,
+    const void* __restrict__ x, u32 R, u32 K, int H, float hs, int has_signs, u32 s0, u32 s1, u32 s2, u32 s3,
     u32 seed, u32 key0, int pass, u8* __restrict__ codes, u8* __restrict__ scales,
     u8* __restrict__ mask, const float* __restrict__ g, u32* __restrict__ amax, u32* __restrict__ tiles) {
   QParams p;
   p.H = H; p.hs = hs; p.seed = seed; p.key0 = key0; p.pass = pass;
   p.codes = codes; p.scales = scales; p.mask = mask; p.g = g; p.amax = amax; p.tiles = tiles;
   p.Kout = K;
-  load_signs(p, signw);
+  load_signs(p, has_signs, s0, s1, s2, s3);
   const u32 gpr = K / G;
   const u32 n = R * gpr;  // host checks R * K / G < 2^32
   for (u32 gi = blockIdx.x * blockDim.x + threadIdx.x; gi < n; gi += gridDim.x * blockDim.x) {
@@ -567,7 +568,7 @@ __device__ __forceinline__ void load_tile(float* tile, const void* __restrict__ 
 template <int SRC, int G, bool NV, int RULE, int RND>
 __global__ void __launch_bounds__(256) quant_cols(
     const void* __restrict__ x, const u8* __restrict__ in_scales, const float* __restrict__ gin, u32 R, u32 K,
-    int H, float hs, const u32* __restrict__ signw, u32 seed, u32 key0, int pass,
+    int H, float hs, int has_signs, u32 s0, u32 s1, u32 s2, u32 s3, u32 seed, u32 key0, int pass,
     u8* __restrict__ codes, u8* __restrict__ scales, u8* __restrict__ mask, const float* __restrict__ g,
     u32* __restrict__ amax, u32* __restrict__ tiles) {
   __shared__ __align__(16) float tile[TILE_R * TILE_LD];
@@ -575,7 +576,7 @@ __global__ void __launch_bounds__(256) quant_cols(
   p.H = H; p.hs = hs; p.seed = seed; p.key0 = key0; p.pass = pass;
   p.codes = codes; p.scales = scales; p.mask = mask; p.g = g; p.amax = amax; p.tiles = tiles;
   p.Kout = R;  // output layout (K, R): the quantized axis is the input's first
-  load_signs(p, signw);
+  load_signs(p, has_signs, s0, s1, s2, s3);
   const u32 c0 = blockIdx.x * TILE_C, r0 = blockIdx.y * TILE_R;
   load_tile<SRC>(tile, x, in_scales, gin, R, K, r0, c0);
   __syncthreads();
@@ -682,14 +683,14 @@ __global__ void __launch_bounds__(256) dequant(const u8* __restrict__ codes, con
 // Instantiations for plain nvcc (CI's compile check builds a cubin of this file). NVRTC skips
 // them: fp4.py instantiates what it launches through CuPy's name_expressions.
 #ifndef __CUDACC_RTC__
-template __global__ void quant_rows<1, 32, false, 1, 0>(const void*, u32, u32, int, float, const u32*, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
-template __global__ void quant_rows<1, 32, false, 0, 1>(const void*, u32, u32, int, float, const u32*, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
-template __global__ void quant_rows<0, 128, true, 0, 2>(const void*, u32, u32, int, float, const u32*, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
-template __global__ void quant_rows<2, 16, true, 2, 0>(const void*, u32, u32, int, float, const u32*, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
-template __global__ void quant_rows<1, 16, true, 0, 1>(const void*, u32, u32, int, float, const u32*, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
-template __global__ void quant_cols<1, 32, false, 0, 1>(const void*, const u8*, const float*, u32, u32, int, float, const u32*, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
-template __global__ void quant_cols<3, 32, false, 0, 1>(const void*, const u8*, const float*, u32, u32, int, float, const u32*, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
-template __global__ void quant_cols<0, 64, false, 1, 0>(const void*, const u8*, const float*, u32, u32, int, float, const u32*, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<1, 32, false, 1, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<1, 32, false, 0, 1>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<0, 128, true, 0, 2>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<2, 16, true, 2, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<1, 16, true, 0, 1>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_cols<1, 32, false, 0, 1>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_cols<3, 32, false, 0, 1>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_cols<0, 64, false, 1, 0>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void dequant<0>(const u8*, const u8*, const float*, u32, u32, int, void*);
 template __global__ void dequant<1>(const u8*, const u8*, const float*, u32, u32, int, void*);
 template __global__ void dequant<2>(const u8*, const u8*, const float*, u32, u32, int, void*);

@@ -294,5 +294,5 @@ def test_dispatch_errors_match_reference(opts):
 
 def test_sign_words():
     signs = torch.tensor([1.0, -1.0] * 32 + [-1.0] * 64)
-    words = fp4._sign_words(signs)
-    assert words.tolist() == [-1431655766, -1431655766, -1, -1]  # 0xAAAAAAAA, 0xAAAAAAAA, ~0, ~0
+    assert fp4._sign_words(signs) == [0xAAAAAAAA, 0xAAAAAAAA, 0xFFFFFFFF, 0xFFFFFFFF]
+    assert fp4._sign_words(torch.tensor([-1.0] + [1.0] * 15)) == [1, 0, 0, 0]
