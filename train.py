@@ -97,7 +97,8 @@ def check_config():
     if recipe not in RECIPES:
         raise configurator.ConfigError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
     if model_size not in SIZES:
-        raise configurator.ConfigError(f"unknown model_size {model_size!r}; choose one of {', '.join(SIZES)}")
+        raise configurator.ConfigError(f"unknown model_size {model_size!r}; "
+                                       f"choose one of {', '.join(SIZES)}")
     if dtype not in ('float32', 'bfloat16'):
         raise configurator.ConfigError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
 
@@ -153,7 +154,8 @@ def load_data(master):
             raise FileNotFoundError(f'{path}/train.bin not found: run data/{dataset}/prepare.py')
         if master:
             log(f'{path}/train.bin not found: preparing the default corpus (Python sources)')
-            spec = importlib.util.spec_from_file_location('pycode_prepare', os.path.join(path, 'prepare.py'))
+            script = os.path.join(path, 'prepare.py')  # a script, not a package: load by path
+            spec = importlib.util.spec_from_file_location('pycode_prepare', script)
             prepare = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(prepare)
             prepare.prepare(path)
@@ -178,7 +180,8 @@ def get_batch(data, key):
     x = torch.from_numpy(np.stack([data[i:i + block_size] for i in ix]).astype(np.int64))
     y = torch.from_numpy(np.stack([data[i + 1:i + 1 + block_size] for i in ix]).astype(np.int64))
     if device.startswith('cuda'):
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        x, y = x.pin_memory(), y.pin_memory()  # async host-to-device copies
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     return x, y
 
 # -----------------------------------------------------------------------------
@@ -389,7 +392,8 @@ def main(argv=None):
         f"{raw_model.get_num_params(False) / 1e6:.2f}M total parameters; recipe {recipe}")
     model = torch.compile(raw_model) if compile else raw_model
     if world > 1:
-        model = DDP(model, device_ids=[torch.cuda.current_device()] if device.startswith('cuda') else None)
+        ids = [torch.cuda.current_device()] if device.startswith('cuda') else None
+        model = DDP(model, device_ids=ids)
     run = dict(rank=rank, world=world, start_iter=iter_num, iter_num=iter_num, history=history,
                model_args=model_args, config=config)
     accum = gradient_accumulation_steps // world  # each rank does its share of micro-steps
@@ -417,9 +421,10 @@ def main(argv=None):
                 tokens, train_time = tokens + tokens_per_step, train_time + dt
             step_ema = dt if step_ema is None else 0.9 * step_ema + 0.1 * dt
             if iter_num % log_interval == 0:
+                eta = step_ema * (max_iters - iter_num - 1) / 60
                 log(f'step {iter_num}/{max_iters} | loss {loss:.4f} | lr {lr:.2e} | norm {norm:.2f} | '
-                    f'{tokens_per_step / dt:,.0f} tok/s | {dt * 1000:.0f} ms | mem {peak_mem_gib():.2f} GiB'
-                    f' | eta {step_ema * (max_iters - iter_num - 1) / 60:.1f} min')
+                    f'{tokens_per_step / dt:,.0f} tok/s | {dt * 1000:.0f} ms | '
+                    f'mem {peak_mem_gib():.2f} GiB | eta {eta:.1f} min')
             iter_num = run['iter_num'] = iter_num + 1
     finally:
         if dist.is_initialized():

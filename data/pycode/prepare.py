@@ -122,7 +122,8 @@ def prepare(out_dir=HERE, max_chars=MAX_CHARS, roots=None, val_percent=VAL_PERCE
     for split, want_val in (('train', False), ('val', True)):
         split_ids = [x for x, v in zip(ids, is_val) if v == want_val]
         meta[f'{split}_files'] = len(split_ids)
-        meta[f'{split}_tokens'] = write_bin(os.path.join(out_dir, f'{split}.bin'), split_ids, enc.eot_token)
+        path = os.path.join(out_dir, f'{split}.bin')
+        meta[f'{split}_tokens'] = write_bin(path, split_ids, enc.eot_token)
     with open(os.path.join(out_dir, 'meta.json'), 'w') as f:
         json.dump(meta, f, indent=2)
     print(f"train {meta['train_tokens']:,} tokens ({meta['train_files']} files), "
