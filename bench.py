@@ -270,13 +270,21 @@ def section_linear(args):
             base = base or ms
             rows.append(dict(shape=f"{m}x{k}->{n}", layer=name, ms=round(ms, 3),
                              speedup_vs_bf16=round(base / ms, 3), saved_for_backward_mib=round(mem / 2**20, 1)))
-    for name in ("bf16", "fp8-rowwise", "quartet", "nvfp4", "quartet2"):
-        total = sum(r["ms"] for r in rows if r["layer"] == name)
-        total_bf16 = sum(r["ms"] for r in rows if r["layer"] == "bf16")
-        rows.append(dict(shape="sum of 4 shapes", layer=name, ms=round(total, 3),
-                         speedup_vs_bf16=round(total_bf16 / total, 3), saved_for_backward_mib=None))
+    rows += linear_totals(rows)
     print_table(rows, ["shape", "layer", "ms", "speedup_vs_bf16", "saved_for_backward_mib"])
     return rows
+
+
+def linear_totals(rows):
+    """One 'sum of shapes' row per layer kind: summed ms, and BF16's sum over it."""
+    per_shape = [r for r in rows if not r["shape"].startswith("sum")]
+    totals = {}
+    for r in per_shape:
+        totals[r["layer"]] = totals.get(r["layer"], 0.0) + r["ms"]
+    n = len({r["shape"] for r in per_shape})
+    return [dict(shape=f"sum of {n} shapes", layer=name, ms=round(t, 3),
+                 speedup_vs_bf16=round(totals["bf16"] / t, 3), saved_for_backward_mib=None)
+            for name, t in totals.items()]
 
 
 def _saved_bytes(layer, x):
@@ -417,6 +425,24 @@ def section_overhead(args):
 SECTIONS = {"overhead": section_overhead, "profile": section_profile, "kernels": section_kernels, "accum": section_accum, "linear": section_linear, "step": section_step}
 
 
+def compare_runs(paths, out_png):
+    """One loss-curve figure from several train.py summary.json files (same tokens, one per recipe)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for path in paths:
+        s = json.load(open(path))
+        c = s["loss_curve"]
+        line, = ax.plot(c["steps"], c["train_loss"], lw=0.8, alpha=0.6)
+        ax.plot(c["val_steps"], c["val_loss"], "o-", color=line.get_color(),
+                label=f"{s['recipe']}: val {s['val_loss']:.4f}")
+    ax.set(xlabel="step", ylabel="loss", ylim=(3.5, 7), title=f"{s['model_size']}, {s['tokens']:,} tokens, {s['device']}")
+    ax.legend()
+    fig.savefig(out_png, dpi=120, bbox_inches="tight")
+    print(f"wrote {out_png}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {list(SECTIONS)}")
@@ -426,7 +452,11 @@ def main():
     ap.add_argument("--seq", type=int, default=2048, help="step: sequence length")
     ap.add_argument("--batch", type=int, default=8, help="step: sequences per step")
     ap.add_argument("--step-reps", type=int, default=4, help="step: timed steps")
+    ap.add_argument("--compare", nargs="+", default=None, metavar="SUMMARY_JSON",
+                    help="no benchmark: plot these train.py summaries into one PNG (--out names it)")
     args = ap.parse_args()
+    if args.compare:
+        return compare_runs(args.compare, args.out or "loss_curves.png")
     if not torch.cuda.is_available():
         raise SystemExit("bench.py needs a CUDA device")
     out = args.out or os.path.join("results", gpu_slug())
