@@ -190,7 +190,7 @@ class GPT(nn.Module):
             # inference: only the last position's logits are needed
             return self.lm_head(x[:, [-1], :]), None
         logits = self.lm_head(x)  # (B, T, vocab_size)
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
                                ignore_index=-1)
         return logits, loss
 

@@ -85,6 +85,10 @@ def test_forward_shapes_and_causality(n_kv_head):
     logits2, _ = m(idx2, idx2)
     torch.testing.assert_close(logits[:, :-1], logits2[:, :-1])
     assert m.generate(idx[:, :4], 3).shape == (3, 7)
+    seq = torch.randint(0, 256, (3, 17))
+    _, loss_view = m(seq[:, :-1], seq[:, 1:])  # shifted slices (not contiguous) are fine
+    _, loss_copy = m(seq[:, :-1].contiguous(), seq[:, 1:].contiguous())
+    assert torch.equal(loss_view, loss_copy)
 
 def test_optimizer_groups():
     m = GPT(config_for('tiny', vocab_size=256, block_size=16))
