@@ -15,6 +15,10 @@
 //       E4M3 scales, QuEST clip mask. pass=1 is the NVFP4 pre-pass: block amax only, atomically
 //       max-reduced into the tensor amax (finite blocks) and, for block2d, the 16x16 tile amax.
 //       Called by fp4._kernel_quantize (axis = last, or a transposed view of a contiguous tensor).
+//       MXFP4 with G == 32 (Hadamard 0/16/32) takes a warp-cooperative path instead (mx_chunk):
+//       8 consecutive elements a thread (one 16-byte load for BF16/F16), a lane quad per 32-block,
+//       Hadamard strides 8 and 16 and the block reductions through __shfl_xor_sync, 4 chunks in
+//       flight a thread; fp4._quant_launch sizes its grid as R * K / 8 / 4 threads.
 //   quant_cols<SRC, G, NV>  The same quantizer along the FIRST axis of a row-major (R, K) input,
 //       through a 128 x 32 shared-memory tile (no materialised transpose). Output layout (K, R/2).
 //       SRC 3/4 dequantize a QTensor's codes on the way in: that is fp4.requantize (dequantize,
@@ -25,11 +29,16 @@
 //       Called by fp4._kernel_fold.
 //   dequant<OUT>            fp4.dequantize to f32 / bf16 / f16 in the QTensor layout (OUT: 0 f32,
 //       1 bf16, 2 f16). Called by fp4._kernel_dequantize.
+// Host emulation: with FP4_HOST_EMU defined (and host shims for the intrinsics and for
+// shfl_xor / any_sync), the device math up to the Loads section compiles as plain C++; the
+// bit-exactness checks of the MXFP4 paths against the reference were run that way.
 // The Blackwell scale swizzle stays a torch permute (fp4.swizzle_scales): one gather over the
 // scales (1/16 or 1/32 of the elements), nothing for a kernel to fuse.
 
+#ifndef FP4_HOST_EMU  // FP4_HOST_EMU: the device math built as host C++ (bit-exactness emulation)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#endif
 
 typedef unsigned char u8;
 typedef unsigned int u32;
@@ -90,6 +99,58 @@ __device__ __forceinline__ u32 e2m1_rn_mag(float v) {
 }
 
 __device__ __forceinline__ u32 e2m1_sign(float v) { return v < 0.0f ? 8u : 0u; }
+
+// Cheaper E2M1 encoders (MXFP4 paths), equal to e2m1_rn_mag / e2m1_sr_mag (host-emulation checked
+// exhaustively for RN). The code is f(|v|) rounded, f(a) = min(2a, a + 2, a/2 + 4): 2a on [0, 2)
+// (step 0.5), a + 2 on [2, 4) (step 1), a/2 + 4 on [4, 6] (step 2); the pieces meet at 2 and 4
+// and the active piece is the smallest. Adding the piece's offset M' = 2^23 + k (ulp 1) to the
+// exactly scaled a in one rounding gives M' + round(piece), so the minimum over the three pieces
+// (FP32 min, no integer work) is M + code. FMA here is exact single-rounding, not a contraction.
+// RN: returns 2^23 + code (ties to even: the integer offsets are even); saturates at 7.
+__device__ __forceinline__ float e2m1_rn_f(float v) {
+  float a = fabsf(v);
+  float y1 = __fmaf_rn(a, 2.0f, 8388608.0f);
+  float y2 = __fadd_rn(a, 8388610.0f);
+  float y3 = __fmaf_rn(a, 0.5f, 8388612.0f);
+  return fminf(fminf(y1, y2), fminf(y3, 8388615.0f));
+}
+// SR: the reference's floor(w) + (u < w - floor(w)) is ceil(w - u) (w - floor(w) - u in (-1, 1)).
+// RU(w - u) keeps its ceiling (integers are floats), and RU(d + M') = M' + ceil(d) while the sum
+// stays in [2^23, 2^24): M' = 2^23 + 8 + base, d > -1. nu = -u. Returns 2^23 + 8 + code.
+__device__ __forceinline__ float e2m1_sr_f(float v, float nu) {
+  float a = fminf(fabsf(v), 6.0f);
+  float y1 = __fadd_ru(__fmaf_ru(a, 2.0f, nu), 8388616.0f);
+  float y2 = __fadd_ru(__fadd_ru(a, nu), 8388618.0f);
+  float y3 = __fadd_ru(__fmaf_ru(a, 0.5f, nu), 8388620.0f);
+  return fminf(fminf(y1, y2), y3);
+}
+#define E2M1_RN_BASE 0x4B000000u  // bits of 2^23: e2m1_rn_f's offset
+#define E2M1_SR_BASE 0x4B000008u  // bits of 2^23 + 8: e2m1_sr_f's offset
+// Eight codes packed into a word by integer multiply-adds of the offset floats' bits (nibble i:
+// bits * 16^i), then one subtraction of the offsets' sum: sum_i BASE * 16^i mod 2^32.
+__host__ __device__ constexpr u32 nibble_base(u32 b) {
+  return b + (b << 4) + (b << 8) + (b << 12) + (b << 16) + (b << 20) + (b << 24) + (b << 28);
+}
+// Adds the sign (8 iff v < 0, so -0.0 gives 0) to an offset code float, exactly.
+__device__ __forceinline__ float with_sign8(float r, float v) {
+  return __fmaf_rn(v < 0.0f ? 1.0f : 0.0f, 8.0f, r);
+}
+
+// SR uniforms of 8 consecutive indices lo8 + i (lo8 % 8 == 0): lowbias32((lo8 + i) ^ key) = the
+// mixer of z ^ i with z = y ^ (y >> 16), y = lo8 ^ key (i < 8 leaves the first step alone).
+// -u = -(h >> 8) * 2^-24 = -float(h & ~0xFF) * 2^-32 (24 significant bits: exact).
+__device__ __forceinline__ u32 sr_z8(u32 key, u32 lo8) {
+  u32 y = lo8 ^ key;
+  return y ^ (y >> 16);
+}
+__device__ __forceinline__ float sr_negu(u32 z, u32 i) {
+  u32 x = z ^ i;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x = (x ^ (x >> 16)) & 0xFFFFFF00u;
+  return __uint2float_rn(x) * -2.3283064365386963e-10f;  // * -2^-32
+}
 
 // E2M1 stochastic rounding (fp4.e2m1_encode_sr), v not NaN, u in [0, 1).
 __device__ __forceinline__ u32 e2m1_sr_mag(float v, float u) {
@@ -290,16 +351,17 @@ __device__ __forceinline__ void quant_group_mx(float (&x)[G], const QParams& p, 
 #pragma unroll
     for (int j = 0; j < 32; j += 8) {
       u32 w = 0;
+      const u32 z = RND == ROUND_SR ? sr_z8(key, (u32)base + 32 * b + j) : 0u;
 #pragma unroll
       for (int i = 0; i < 8; i++) {
         float v = __fmul_rn(xb[j + i], inv);
-        u32 c;
-        if constexpr (RND == ROUND_SR) c = e2m1_sr_mag(v, uniform_at(key, (u32)base + 32 * b + j + i));
-        else c = e2m1_rn_mag(v);
-        c |= e2m1_sign(v);
-        w |= c << (4 * i);
-        if (!(fabsf(v) > 6.0f)) m |= 1u << (j + i);
+        float r;
+        if constexpr (RND == ROUND_SR) r = e2m1_sr_f(v, sr_negu(z, i));
+        else r = e2m1_rn_f(v);
+        w += __float_as_uint(with_sign8(r, v)) << (4 * i);
+        if (RULE == RULE_QUEST && !(fabsf(v) > 6.0f)) m |= 1u << (j + i);
       }
+      w -= nibble_base(RND == ROUND_SR ? E2M1_SR_BASE : E2M1_RN_BASE);
       cw[(32 * b + j) / 8] = bad ? 0u : w;
     }
     mw[b] = bad ? 0u : m;
@@ -422,6 +484,156 @@ __device__ __forceinline__ void quant_group(float (&x)[G], const QParams& p, u32
 }
 
 // ---------------------------------------------------------------------------------------------
+// MXFP4 rows, warp-cooperative (quant_rows with G == 32): a thread owns 8 consecutive elements (a
+// "chunk", one 16-byte BF16/F16 load), the 4 lanes 4t..4t+3 of a quad own one 32-block. Lane
+// q = lane & 3 holds block elements 8q..8q+7. Hadamard strides 1, 2, 4 run in the thread, 8 and 16
+// across lanes (xor 1, xor 2); block sums follow the halving tree (j + 16: xor 2, j + 8: xor 1,
+// then 4, 2, 1 in the thread); amax is a max (order-free). Every lane of a quad computes the same
+// scale; lane 0 writes it. Codes: one 32-bit store a thread; mask: one byte a thread.
+
+#ifndef FP4_HOST_EMU
+__device__ __forceinline__ float shfl_xor(float v, int m) { return __shfl_xor_sync(0xFFFFFFFFu, v, m); }
+__device__ __forceinline__ bool any_sync(bool p) { return __any_sync(0xFFFFFFFFu, p); }
+#endif
+
+struct MxArgs {
+  int H;           // 0, 16 or 32
+  float hs;        // FP32 1/sqrt(H)
+  int has_signs;
+  float sg[8];     // this lane's signs (+-1) for elements 8q..8q+7 of the block (period H)
+  u32 seed, key0;
+  u8* codes;       // (chunks) u32 words
+  u8* scales;      // (chunks / 4)
+  u8* mask;        // (chunks) bytes, or null
+};
+
+// Butterfly across lanes at stride 8 (m = 1) or 16 (m = 2): the lower lane of the pair holds a,
+// the upper b; lower gets a + b = fma(a, 1, b), upper a - b = fma(b, -1, a) (both exact-product
+// single roundings, identical to the add / subtract).
+__device__ __forceinline__ void butterfly_x(float (&x)[8], int m, bool upper) {
+  const float sgn = upper ? -1.0f : 1.0f;
+#pragma unroll
+  for (int i = 0; i < 8; i++) {
+    float p = shfl_xor(x[i], m);
+    x[i] = __fmaf_rn(x[i], sgn, p);
+  }
+}
+
+// Halving-tree sum of the quad's 32 values (x[i] is block element 8q + i): every lane gets it.
+// Stage j + 16 pairs lanes q, q ^ 2; j + 8 pairs q, q ^ 1 (a + b == b + a exactly).
+__device__ __forceinline__ float quad_tree_sum(const float (&x)[8]) {
+  float t[8];
+#pragma unroll
+  for (int i = 0; i < 8; i++) t[i] = __fadd_rn(x[i], shfl_xor(x[i], 2));
+#pragma unroll
+  for (int i = 0; i < 8; i++) t[i] = __fadd_rn(t[i], shfl_xor(t[i], 1));
+  return tree_sum<8>(t);
+}
+
+// The signs and the blockwise Hadamard (H = 16 or 32) of one lane's 8 elements.
+__device__ __forceinline__ void mx_rotate(float (&x)[8], const MxArgs& a, u32 q) {
+  if (a.has_signs) {  // stride 1 with the signs folded in: (a s_a) +- b s_b = fma(b, +-s_b, a s_a)
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+      float A = __fmul_rn(x[i], a.sg[i]), b = x[i + 1];
+      x[i] = __fmaf_rn(b, a.sg[i + 1], A);
+      x[i + 1] = __fmaf_rn(b, -a.sg[i + 1], A);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+      float A = x[i], b = x[i + 1];
+      x[i] = __fadd_rn(A, b);
+      x[i + 1] = __fsub_rn(A, b);
+    }
+  }
+#pragma unroll
+  for (int h = 2; h < 8; h <<= 1) {
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+      if (!(i & h)) {
+        float A = x[i], b = x[i + h];
+        x[i] = __fadd_rn(A, b);
+        x[i + h] = __fsub_rn(A, b);
+      }
+    }
+  }
+  butterfly_x(x, 1, q & 1);
+  if (a.H == 32) butterfly_x(x, 2, q & 2);
+#pragma unroll
+  for (int i = 0; i < 8; i++) x[i] = __fmul_rn(x[i], a.hs);
+}
+
+template <int RULE, int RND>
+__device__ __forceinline__ void mx_chunk(float (&x)[8], const MxArgs& a, u32 q, u64 c, bool valid) {
+  if (a.H) mx_rotate(x, a, q);
+  int e = 0;
+  bool bad = false, need_amax = true;
+  float sigma = 0.0f;
+  if constexpr (RULE == RULE_QUEST) {
+    float sq[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) sq[i] = __fmul_rn(x[i], x[i]);
+    float mean = __fmul_rn(quad_tree_sum(x), 0.03125f);
+    float mean2 = __fmul_rn(quad_tree_sum(sq), 0.03125f);
+    float var = __fsub_rn(mean2, __fmul_rn(mean, mean));
+    var = var < 0.0f ? 0.0f : var;
+    sigma = __fsqrt_rn(var);
+    if (sigma > 0.0f) {
+      int E;
+      frexpf(__fmul_rn(sigma, 0.487079f), &E);
+      e = E - 1;
+      need_amax = !(sigma <= 3.402823466e+38f);
+    }
+  }
+  if (RULE != RULE_QUEST || any_sync(need_amax)) {  // warp-uniform: the shuffles see every lane
+    float m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) m = absmax_nan(m, x[i]);
+    m = absmax_nan(m, shfl_xor(m, 1));
+    m = absmax_nan(m, shfl_xor(m, 2));
+    if (need_amax) {
+      u32 ab = __float_as_uint(m) & 0x7FFFFFFFu;
+      bad = ab >= 0x7F800000u;
+      if (!(RULE == RULE_QUEST && sigma > 0.0f)) e = absmax_exponent(__uint_as_float(ab));
+    }
+  }
+  e = bad ? 0 : max(-127, min(127, e));
+  const float inv = exp2i(-e);
+  const u64 i0 = c * 8;  // element index of x[0] in the output layout
+  u32 z = 0;
+  if constexpr (RND == ROUND_SR) {
+    const u32 key = (i0 >> 32) ? hash_key(a.seed, (u32)(i0 >> 32)) : a.key0;
+    z = sr_z8(key, (u32)i0);
+  }
+  u32 w = 0, m8 = 0;
+#pragma unroll
+  for (int i = 0; i < 8; i++) {
+    float v = __fmul_rn(x[i], inv);
+    float r;
+    if constexpr (RND == ROUND_SR) r = e2m1_sr_f(v, sr_negu(z, i));
+    else r = e2m1_rn_f(v);
+    w += __float_as_uint(with_sign8(r, v)) << (4 * i);
+    if (RULE == RULE_QUEST && !(fabsf(v) > 6.0f)) m8 |= 1u << i;
+  }
+  w -= nibble_base(RND == ROUND_SR ? E2M1_SR_BASE : E2M1_RN_BASE);
+  if (valid) {
+    reinterpret_cast<u32*>(a.codes)[c] = bad ? 0u : w;
+    if (RULE == RULE_QUEST && a.mask) a.mask[c] = bad ? (u8)0 : (u8)m8;
+    if (q == 0) a.scales[c >> 2] = bad ? (u8)0xFF : (u8)(e + 127);
+  }
+}
+
+__device__ __forceinline__ void mx_lane_signs(MxArgs& a, u32 q, int has_signs, u32 s0, int H) {
+  // element 8q + i of the block uses sign (8q + i) mod H: H = 16 repeats the low half-word
+  u32 w = H == 16 ? ((s0 & 0xFFFFu) | (s0 << 16)) : s0;
+  a.has_signs = has_signs;
+#pragma unroll
+  for (int i = 0; i < 8; i++) a.sg[i] = ((w >> (8 * q + i)) & 1u) ? -1.0f : 1.0f;
+}
+
+#ifndef FP4_HOST_EMU  // the host emulation stops here: loads and kernels are device-only
+// ---------------------------------------------------------------------------------------------
 // Loads
 
 __device__ __forceinline__ void bf16x2_to_f32(u32 w, float& a, float& b) {
@@ -480,6 +692,45 @@ __global__ void __launch_bounds__(256) quant_rows(
     const void* __restrict__ x, u32 R, u32 K, int H, float hs, int has_signs, u32 s0, u32 s1, u32 s2, u32 s3,
     u32 seed, u32 key0, int pass, u8* __restrict__ codes, u8* __restrict__ scales,
     u8* __restrict__ mask, const float* __restrict__ g, u32* __restrict__ amax, u32* __restrict__ tiles) {
+  if constexpr (!NV && G == 32) {  // MXFP4, Hadamard 0/16/32: the warp-cooperative path above
+    MxArgs a;
+    const u32 lane = threadIdx.x & 31, q = lane & 3;
+    a.H = H; a.hs = hs; a.seed = seed; a.key0 = key0; a.codes = codes; a.scales = scales; a.mask = mask;
+    mx_lane_signs(a, q, has_signs, s0, H);
+    constexpr int U = 4;  // chunks a thread has in flight (loads issued before any use)
+    const u64 nchunks = (u64)R * K / 8;  // a multiple of 4: a quad is all valid or all not
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    // warp-uniform trip count: the shuffles need every lane
+    for (u64 wbase = (u64)blockIdx.x * blockDim.x + (threadIdx.x & ~31u); wbase < nchunks; wbase += U * stride) {
+      constexpr int W = SRC == 0 ? 2 : 1;  // 16-byte words a chunk
+      uint4 raw[U][W];
+#pragma unroll
+      for (int u = 0; u < U; u++) {
+        const u64 c = wbase + lane + u * stride;
+#pragma unroll
+        for (int k = 0; k < W; k++)
+          raw[u][k] = c < nchunks ? __ldg(reinterpret_cast<const uint4*>(x) + c * W + k) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < U; u++) {
+        const u64 c = wbase + lane + u * stride;
+        if (u > 0 && wbase + u * stride >= nchunks) break;  // warp-uniform
+        float v[8];
+#pragma unroll
+        for (int k = 0; k < W; k++) {
+          u32 w4[4] = {raw[u][k].x, raw[u][k].y, raw[u][k].z, raw[u][k].w};
+#pragma unroll
+          for (int t = 0; t < 4; t++) {
+            if constexpr (SRC == 0) v[4 * k + t] = __uint_as_float(w4[t]);
+            else if constexpr (SRC == 1) bf16x2_to_f32(w4[t], v[2 * t], v[2 * t + 1]);
+            else f16x2_to_f32(w4[t], v[2 * t], v[2 * t + 1]);
+          }
+        }
+        mx_chunk<RULE, RND>(v, a, q, c, c < nchunks);
+      }
+    }
+    return;
+  }
   QParams p;
   p.H = H; p.hs = hs; p.seed = seed; p.key0 = key0; p.pass = pass;
   p.codes = codes; p.scales = scales; p.mask = mask; p.g = g; p.amax = amax; p.tiles = tiles;
@@ -695,3 +946,4 @@ template __global__ void dequant<0>(const u8*, const u8*, const float*, u32, u32
 template __global__ void dequant<1>(const u8*, const u8*, const float*, u32, u32, int, void*);
 template __global__ void dequant<2>(const u8*, const u8*, const float*, u32, u32, int, void*);
 #endif
+#endif  // FP4_HOST_EMU
