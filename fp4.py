@@ -1061,8 +1061,8 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
         n = r * (k // g_size)
         if n >= 1 << 32:
             raise ValueError(f"tensor too large for the quantize kernel ({r} x {k})")
-        if not nv and g_size == 32:  # warp-cooperative MXFP4: 8 elements a thread, 4 chunks in flight
-            grid, block = (min(-(-(r * k // 8) // (256 * 4)), 1 << 20),), (256,)
+        if not nv and g_size == 32:  # warp-cooperative MXFP4: 8 elements a thread, 4 chunks in flight, one trip
+            grid, block = (-(-(r * k // 8) // (256 * 4)),), (256,)
         else:
             grid, block = (min(-(-n // 256), 1 << 20),), (256,)
         head = (_ptr(src), np.uint32(r), np.uint32(k))

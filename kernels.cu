@@ -107,18 +107,21 @@ __device__ __forceinline__ u32 e2m1_sign(float v) { return v < 0.0f ? 8u : 0u; }
 // exactly scaled a in one rounding gives M' + round(piece), so the minimum over the three pieces
 // (FP32 min, no integer work) is M + code. FMA here is exact single-rounding, not a contraction.
 // RN: returns 2^23 + code (ties to even: the integer offsets are even); saturates at 7.
+// SAT = false: the caller guarantees |v| <= 6 or a NaN/Inf block (absmax: amax / 2^e <= 6).
+template <bool SAT = true>
 __device__ __forceinline__ float e2m1_rn_f(float v) {
   float a = fabsf(v);
   float y1 = __fmaf_rn(a, 2.0f, 8388608.0f);
   float y2 = __fadd_rn(a, 8388610.0f);
   float y3 = __fmaf_rn(a, 0.5f, 8388612.0f);
-  return fminf(fminf(y1, y2), fminf(y3, 8388615.0f));
+  return fminf(fminf(y1, y2), SAT ? fminf(y3, 8388615.0f) : y3);
 }
 // SR: the reference's floor(w) + (u < w - floor(w)) is ceil(w - u) (w - floor(w) - u in (-1, 1)).
 // RU(w - u) keeps its ceiling (integers are floats), and RU(d + M') = M' + ceil(d) while the sum
 // stays in [2^23, 2^24): M' = 2^23 + 8 + base, d > -1. nu = -u. Returns 2^23 + 8 + code.
+template <bool SAT = true>
 __device__ __forceinline__ float e2m1_sr_f(float v, float nu) {
-  float a = fminf(fabsf(v), 6.0f);
+  float a = SAT ? fminf(fabsf(v), 6.0f) : fabsf(v);
   float y1 = __fadd_ru(__fmaf_ru(a, 2.0f, nu), 8388616.0f);
   float y2 = __fadd_ru(__fadd_ru(a, nu), 8388618.0f);
   float y3 = __fadd_ru(__fmaf_ru(a, 0.5f, nu), 8388620.0f);
@@ -356,8 +359,8 @@ __device__ __forceinline__ void quant_group_mx(float (&x)[G], const QParams& p, 
       for (int i = 0; i < 8; i++) {
         float v = __fmul_rn(xb[j + i], inv);
         float r;
-        if constexpr (RND == ROUND_SR) r = e2m1_sr_f(v, sr_negu(z, i));
-        else r = e2m1_rn_f(v);
+        if constexpr (RND == ROUND_SR) r = e2m1_sr_f<RULE != RULE_ABSMAX>(v, sr_negu(z, i));
+        else r = e2m1_rn_f<RULE != RULE_ABSMAX>(v);
         w += __float_as_uint(with_sign8(r, v)) << (4 * i);
         if (RULE == RULE_QUEST && !(fabsf(v) > 6.0f)) m |= 1u << (j + i);
       }
@@ -493,7 +496,6 @@ __device__ __forceinline__ void quant_group(float (&x)[G], const QParams& p, u32
 
 #ifndef FP4_HOST_EMU
 __device__ __forceinline__ float shfl_xor(float v, int m) { return __shfl_xor_sync(0xFFFFFFFFu, v, m); }
-__device__ __forceinline__ bool any_sync(bool p) { return __any_sync(0xFFFFFFFFu, p); }
 #endif
 
 struct MxArgs {
@@ -586,7 +588,7 @@ __device__ __forceinline__ void mx_chunk(float (&x)[8], const MxArgs& a, u32 q, 
       need_amax = !(sigma <= 3.402823466e+38f);
     }
   }
-  if (RULE != RULE_QUEST || any_sync(need_amax)) {  // warp-uniform: the shuffles see every lane
+  {  // block amax (unconditional: shuffles stay in converged code)
     float m = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; i++) m = absmax_nan(m, x[i]);
@@ -611,8 +613,8 @@ __device__ __forceinline__ void mx_chunk(float (&x)[8], const MxArgs& a, u32 q, 
   for (int i = 0; i < 8; i++) {
     float v = __fmul_rn(x[i], inv);
     float r;
-    if constexpr (RND == ROUND_SR) r = e2m1_sr_f(v, sr_negu(z, i));
-    else r = e2m1_rn_f(v);
+    if constexpr (RND == ROUND_SR) r = e2m1_sr_f<RULE != RULE_ABSMAX>(v, sr_negu(z, i));
+    else r = e2m1_rn_f<RULE != RULE_ABSMAX>(v);
     w += __float_as_uint(with_sign8(r, v)) << (4 * i);
     if (RULE == RULE_QUEST && !(fabsf(v) > 6.0f)) m8 |= 1u << i;
   }
@@ -700,8 +702,13 @@ __global__ void __launch_bounds__(256) quant_rows(
     constexpr int U = 4;  // chunks a thread has in flight (loads issued before any use)
     const u64 nchunks = (u64)R * K / 8;  // a multiple of 4: a quad is all valid or all not
     const u64 stride = (u64)gridDim.x * blockDim.x;
-    // warp-uniform trip count: the shuffles need every lane
-    for (u64 wbase = (u64)blockIdx.x * blockDim.x + (threadIdx.x & ~31u); wbase < nchunks; wbase += U * stride) {
+    // A trip count from launch constants only: ptxas then sees the shuffles as converged (a
+    // bound on the warp's own index compiled each shuffle into a WARPSYNC/ENDCOLLECTIVE loop).
+    // fp4._quant_launch sizes the grid for one trip.
+    const u64 iters = (nchunks + U * stride - 1) / (U * stride);
+    const u64 wbase0 = (u64)blockIdx.x * blockDim.x + (threadIdx.x & ~31u);
+    for (u64 it = 0; it < iters; it++) {
+      const u64 wbase = wbase0 + it * U * stride;
       constexpr int W = SRC == 0 ? 2 : 1;  // 16-byte words a chunk
       uint4 raw[U][W];
 #pragma unroll
@@ -713,8 +720,7 @@ __global__ void __launch_bounds__(256) quant_rows(
       }
 #pragma unroll
       for (int u = 0; u < U; u++) {
-        const u64 c = wbase + lane + u * stride;
-        if (u > 0 && wbase + u * stride >= nchunks) break;  // warp-uniform
+        const u64 c = wbase + lane + u * stride;  // past the end: zeros in, nothing stored
         float v[8];
 #pragma unroll
         for (int k = 0; k < W; k++) {
