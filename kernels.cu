@@ -631,7 +631,12 @@ __device__ __forceinline__ void mx_lane_signs(MxArgs& a, u32 q, int has_signs, u
   u32 w = H == 16 ? ((s0 & 0xFFFFu) | (s0 << 16)) : s0;
   a.has_signs = has_signs;
 #pragma unroll
-  for (int i = 0; i < 8; i++) a.sg[i] = ((w >> (8 * q + i)) & 1u) ? -1.0f : 1.0f;
+  for (int i = 0; i < 8; i++) {
+    a.sg[i] = ((w >> (8 * q + i)) & 1u) ? -1.0f : 1.0f;
+#ifndef FP4_HOST_EMU
+    asm("mov.b32 %0, %0;" : "+f"(a.sg[i]));  // opaque: kept in a register, not recomputed per chunk
+#endif
+  }
 }
 
 #ifndef FP4_HOST_EMU  // the host emulation stops here: loads and kernels are device-only
