@@ -263,6 +263,196 @@ def test_nvcc_compiles(arch, tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
 
 
+# Host emulation (CPU, g++): kernels.cu's device math built as C++ with FP4_HOST_EMU, warp shuffles
+# between 4 host threads (one lane quad), against the PyTorch reference bit for bit. Covers the
+# warp-cooperative MXFP4 rows path (mx_chunk) and the one-thread-per-group path (quant_group).
+EMU_CPP = r"""
+// Host emulation of kernels.cu's MXFP4 paths: the device functions compiled as host C++, warp
+// shuffles between 4 host threads (one per lane of a quad) through a spin barrier.
+#include <algorithm>
+#include <atomic>
+#include <cfenv>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+#include <string>
+#define FP4_HOST_EMU
+#define __device__
+#define __host__
+#define __forceinline__ inline
+using std::max;
+using std::min;
+static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline float __fsqrt_rn(float a) { return sqrtf(a); }
+static inline float __fmaf_rn(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+static inline float __uint2float_rn(unsigned u) { return (float)u; }
+static inline float __fadd_ru(float a, float b) { fesetround(FE_UPWARD); volatile float r = a + b; fesetround(FE_TONEAREST); return r; }
+static inline float __fadd_rd(float a, float b) { fesetround(FE_DOWNWARD); volatile float r = a + b; fesetround(FE_TONEAREST); return r; }
+static inline float __fmaf_ru(float a, float b, float c) { fesetround(FE_UPWARD); volatile float r = __builtin_fmaf(a, b, c); fesetround(FE_TONEAREST); return r; }
+
+struct uint2 { unsigned x, y; };
+struct uint4 { unsigned x, y, z, w; };
+static inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
+static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+template <class T> static inline T atomicMax(T* p, T v) { T o = *p; *p = std::max(o, v); return o; }
+
+// quad emulation
+static thread_local int t_lane = 0;
+static std::atomic<int> bar_count{0}, bar_gen{0};
+static float slot[4];
+static int pslot[4];
+static void barrier() {
+  int gen = bar_gen.load();
+  if (bar_count.fetch_add(1) == 3) { bar_count.store(0); bar_gen.fetch_add(1); }
+  else while (bar_gen.load() == gen) std::this_thread::yield();
+}
+static float shfl_xor(float v, int m) { slot[t_lane] = v; barrier(); float r = slot[t_lane ^ m]; barrier(); return r; }
+static bool any_sync(bool p) { pslot[t_lane] = p; barrier(); bool r = pslot[0] | pslot[1] | pslot[2] | pslot[3]; barrier(); return r; }
+
+#include KERNELS_CU_PATH
+
+struct Job { int R, K, rule, rnd, H, has_signs; unsigned s0, seed; float hs; const float* x; u8 *codes, *scales, *mask; };
+
+template <int RULE, int RND>
+static void run_quad(const Job& j) {
+  std::vector<std::thread> th;
+  for (int q = 0; q < 4; q++) th.emplace_back([&, q] {
+    t_lane = q;
+    MxArgs a;
+    a.H = j.H; a.hs = j.hs; a.seed = j.seed; a.key0 = hash_key(j.seed, 0);
+    a.codes = j.codes; a.scales = j.scales; a.mask = j.mask;
+    mx_lane_signs(a, q, j.has_signs, j.s0, j.H);
+    uint64_t ng = (uint64_t)j.R * j.K / 32;
+    for (uint64_t g = 0; g < ng; g++) {
+      uint64_t c = 4 * g + q;
+      float v[8];
+      for (int i = 0; i < 8; i++) v[i] = j.x[8 * c + i];
+      mx_chunk<RULE, RND>(v, a, q, c, true);
+    }
+  });
+  for (auto& t : th) t.join();
+}
+
+template <int RULE, int RND>
+static void run_t1(const Job& j) {
+  QParams p;
+  p.H = j.H; p.hs = j.hs; p.seed = j.seed; p.key0 = hash_key(j.seed, 0); p.pass = 0;
+  p.codes = j.codes; p.scales = j.scales; p.mask = j.mask; p.Kout = j.K;
+  load_signs(p, j.has_signs, j.s0, 0, 0, 0);
+  for (int r = 0; r < j.R; r++)
+    for (int c = 0; c < j.K; c += 32) {
+      float v[32];
+      for (int i = 0; i < 32; i++) v[i] = j.x[(uint64_t)r * j.K + c + i];
+      quant_group<32, false, RULE, RND>(v, p, r, c);
+    }
+}
+
+int main(int argc, char** argv) {
+  if (argc < 12) { fprintf(stderr, "usage: mode R K rule rnd H has_signs s0 seed hs dir\n"); return 2; }
+  Job j;
+  const char* mode = argv[1];
+  j.R = atoi(argv[2]); j.K = atoi(argv[3]); j.rule = atoi(argv[4]); j.rnd = atoi(argv[5]); j.H = atoi(argv[6]);
+  j.has_signs = atoi(argv[7]); j.s0 = strtoul(argv[8], 0, 0); j.seed = strtoul(argv[9], 0, 0); j.hs = strtof(argv[10], 0);
+  std::string dir = argv[11];
+  size_t n = (size_t)j.R * j.K;
+  std::vector<float> x(n);
+  FILE* f = fopen((dir + "/x.bin").c_str(), "rb"); fread(x.data(), 4, n, f); fclose(f);
+  std::vector<u8> codes(n / 2, 0xAA), scales(n / 32, 0xAA), mask(n / 8, 0xAA);
+  j.x = x.data(); j.codes = codes.data(); j.scales = scales.data(); j.mask = j.rule == 1 ? mask.data() : nullptr;
+  bool quad = !strcmp(mode, "quad");
+#define RUN(R_, D_) if (j.rule == R_ && j.rnd == D_) { if (quad) run_quad<R_, D_>(j); else run_t1<R_, D_>(j); }
+  RUN(0, 0) RUN(0, 1) RUN(1, 0) RUN(1, 1)
+  f = fopen((dir + "/codes.bin").c_str(), "wb"); fwrite(codes.data(), 1, codes.size(), f); fclose(f);
+  f = fopen((dir + "/scales.bin").c_str(), "wb"); fwrite(scales.data(), 1, scales.size(), f); fclose(f);
+  f = fopen((dir + "/mask.bin").c_str(), "wb"); fwrite(mask.data(), 1, mask.size(), f); fclose(f);
+  return 0;
+}
+"""
+
+EMU_CASES = [  # (shape, dtype, rule, rounding, hadamard, signed)
+    ((129, 160), torch.bfloat16, "quest", "rn", 32, False),
+    ((64, 256), torch.float32, "quest", "rn", 0, False),
+    ((100, 512), torch.float32, "quest", "rn", 32, True),
+    ((129, 160), torch.float32, "absmax", "sr", 32, True),
+    ((3, 128), torch.float16, "absmax", "rn", 16, True),
+    ((65, 256), torch.bfloat16, "quest", "sr", 16, True),
+    ((64, 256), torch.float32, "absmax", "rn", 0, False),
+    ((100, 512), torch.float32, "absmax", "sr", 0, False),
+]
+
+
+@pytest.fixture(scope="module")
+def emu_binary(tmp_path_factory):
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not installed")
+    d = tmp_path_factory.mktemp("emu")
+    (d / "emu.cpp").write_text(EMU_CPP)
+    cmd = ["g++", "-O2", "-std=c++17", "-mfma", "-ffp-contract=off", "-frounding-math", "-pthread",
+           f'-DKERNELS_CU_PATH="{KERNELS_CU}"', "-o", str(d / "emu"), str(d / "emu.cpp")]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0 and "-mfma" in res.stderr:
+        pytest.skip("host compiler without FMA")
+    assert res.returncode == 0, res.stderr[-4000:]
+    return d
+
+
+def _emu_input(shape, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-20, 20, shape[:-1] + (1,), generator=gen).float())
+    flat = x.view(-1)
+    pick = torch.randint(0, flat.numel(), (26,), generator=gen)
+    flat[pick[0]], flat[pick[1]], flat[pick[2]] = float("nan"), float("inf"), -float("inf")
+    flat[pick[3:10]] = 1e-30
+    flat[pick[10:14]] = 1e30
+    flat[pick[14:18]] = -0.0
+    flat[pick[18:22]] = -1e-40
+    flat[pick[22:26]] = 3e38
+    flat[:32] = 0.0
+    if flat.numel() >= 256:
+        flat[64:96] = 0.75  # constant block: QuEST's sigma == 0
+        flat[128:160] = -0.0
+        flat[160:192] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4)  # E2M1 ties
+        flat[192:224] = 1e30
+        flat[192] = 1e-30  # x * 2^-e underflows to -0 / +0
+        flat[224:256] = -5.0
+    return x.to(dtype).float()
+
+
+@pytest.mark.parametrize("mode", ["quad", "t1"])
+@pytest.mark.parametrize("shape,dtype,rule,rnd,had,signed", EMU_CASES)
+def test_host_emulation_mx(emu_binary, mode, shape, dtype, rule, rnd, had, signed):
+    import numpy as np
+    d = emu_binary
+    x = _emu_input(shape, dtype, sum(shape) + had)
+    signs = fp4.random_signs(had, 7) if signed else None
+    seed = 1234
+    q = fp4.quantize(x, "mxfp4", scale_rule=rule, rounding=rnd, hadamard=had, signs=signs, seed=seed)
+    x.numpy().astype(np.float32).tofile(d / "x.bin")
+    hs = fp4._hadamard_scale(had) if had else 0.0
+    args = [str(d / "emu"), mode, str(shape[0]), str(shape[1]), str(fp4._RULE_ID[rule]), str(fp4._ROUND_ID[rnd]),
+            str(had), str(int(signed)), str(fp4._sign_words(signs)[0] if signed else 0), str(seed),
+            repr(np.float32(hs).item()), str(d)]
+    subprocess.run(args, check=True, timeout=120)
+    r, k = shape
+    got = {"codes": np.fromfile(d / "codes.bin", np.uint8).reshape(r, k // 2),
+           "scales": np.fromfile(d / "scales.bin", np.uint8).reshape(r, k // 32)}
+    want = {"codes": q.codes.numpy(), "scales": q.scales.numpy()}
+    if rule == "quest":
+        got["mask"] = np.fromfile(d / "mask.bin", np.uint8).reshape(r, k // 8)
+        want["mask"] = q.mask.numpy()
+    for name in got:
+        assert_same(torch.from_numpy(got[name]), torch.from_numpy(want[name]), f"emulated {mode} {name}")
+
+
 BAD_OPTIONS = [
     dict(fmt="fp8"),
     dict(fmt="mxfp4", scale_rule="four_over_six"),
