@@ -1035,6 +1035,18 @@ def _sign_words(signs):
     return words
 
 
+def _mx_rows_layout(scale_rule, rounding):
+    """MXFP4 quant_rows layout: 'quad' (G = 8: 8 elements a thread, 4 lanes a 32-block, shuffles)
+    or 'group' (G = 32: one thread a block). Both are bit-exact; they differ in speed. By count of
+    SASS instructions per element (H200 is issue-bound here) 'group' is cheaper whenever the
+    per-element work is large (QuEST sums, SR hash); 'quad' has the better memory access (16-byte
+    coalesced loads, 4 chunks in flight, 64 registers) for plain absmax + RN. FP4_MX_ROWS overrides."""
+    forced = os.environ.get("FP4_MX_ROWS")
+    if forced in ("quad", "group"):
+        return forced
+    return "quad" if scale_rule == "absmax" and rounding == "rn" else "group"
+
+
 def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, signs, seed, block2d):
     """Run quant_rows (kind 'rows': quantize the (r, k) row-major src along k) or quant_cols
     (kind 'cols': along r; src dense (r, k), or qin a QTensor whose codes (r, k/2) are the input).
@@ -1045,6 +1057,8 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
     nv = fmt == "nvfp4"
     rows, kq = (r, k) if kind == "rows" else (k, r)  # output layout: quantized axis kq last
     g_size = max(bs, hadamard, EDEN_GROUP if rounding == "eden" else 0)
+    if kind == "rows" and not nv and g_size == 32 and _mx_rows_layout(scale_rule, rounding) == "quad":
+        g_size = 8  # quant_rows<..., 8, ...>: the warp-cooperative MXFP4 variant (8 elements a thread)
     src_kind = _SRC_KIND[src.dtype] if qin is None else _SRC_KIND[qin.fmt]
     codes = torch.empty(rows, kq // 2, dtype=torch.uint8, device=dev)
     scales = torch.empty(rows, kq // bs, dtype=torch.uint8, device=dev)
@@ -1061,8 +1075,8 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
         n = r * (k // g_size)
         if n >= 1 << 32:
             raise ValueError(f"tensor too large for the quantize kernel ({r} x {k})")
-        if not nv and g_size == 32:  # warp-cooperative MXFP4: 8 elements a thread, 4 chunks in flight, one trip
-            grid, block = (-(-(r * k // 8) // (256 * 4)),), (256,)
+        if g_size == 8:  # warp-cooperative MXFP4: 8 elements a thread, 4 chunks in flight, one trip
+            grid, block = (-(-n // (256 * 4)),), (256,)
         else:
             grid, block = (min(-(-n // 256), 1 << 20),), (256,)
         head = (_ptr(src), np.uint32(r), np.uint32(k))

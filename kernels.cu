@@ -15,10 +15,11 @@
 //       E4M3 scales, QuEST clip mask. pass=1 is the NVFP4 pre-pass: block amax only, atomically
 //       max-reduced into the tensor amax (finite blocks) and, for block2d, the 16x16 tile amax.
 //       Called by fp4._kernel_quantize (axis = last, or a transposed view of a contiguous tensor).
-//       MXFP4 with G == 32 (Hadamard 0/16/32) takes a warp-cooperative path instead (mx_chunk):
-//       8 consecutive elements a thread (one 16-byte load for BF16/F16), a lane quad per 32-block,
+//       G == 8 (MXFP4 only, Hadamard 0/16/32) is the warp-cooperative variant (mx_chunk): 8
+//       consecutive elements a thread (one 16-byte load for BF16/F16), a lane quad per 32-block,
 //       Hadamard strides 8 and 16 and the block reductions through __shfl_xor_sync, 4 chunks in
-//       flight a thread; fp4._quant_launch sizes its grid as R * K / 8 / 4 threads.
+//       flight a thread; fp4._quant_launch sizes its grid as R * K / 8 / 4 threads. Which of G = 8
+//       and G = 32 runs is fp4._mx_rows_layout's choice (FP4_MX_ROWS=quad|group overrides).
 //   quant_cols<SRC, G, NV>  The same quantizer along the FIRST axis of a row-major (R, K) input,
 //       through a 128 x 32 shared-memory tile (no materialised transpose). Output layout (K, R/2).
 //       SRC 3/4 dequantize a QTensor's codes on the way in: that is fp4.requantize (dequantize,
@@ -699,7 +700,7 @@ __global__ void __launch_bounds__(256) quant_rows(
     const void* __restrict__ x, u32 R, u32 K, int H, float hs, int has_signs, u32 s0, u32 s1, u32 s2, u32 s3,
     u32 seed, u32 key0, int pass, u8* __restrict__ codes, u8* __restrict__ scales,
     u8* __restrict__ mask, const float* __restrict__ g, u32* __restrict__ amax, u32* __restrict__ tiles) {
-  if constexpr (!NV && G == 32) {  // MXFP4, Hadamard 0/16/32: the warp-cooperative path above
+  if constexpr (!NV && G == 8) {  // MXFP4 32-blocks, Hadamard 0/16/32, 8 elements a thread: mx_chunk
     MxArgs a;
     const u32 lane = threadIdx.x & 31, q = lane & 3;
     a.H = H; a.hs = hs; a.seed = seed; a.key0 = key0; a.codes = codes; a.scales = scales; a.mask = mask;
@@ -740,20 +741,20 @@ __global__ void __launch_bounds__(256) quant_rows(
         mx_chunk<RULE, RND>(v, a, q, c, c < nchunks);
       }
     }
-    return;
-  }
-  QParams p;
-  p.H = H; p.hs = hs; p.seed = seed; p.key0 = key0; p.pass = pass;
-  p.codes = codes; p.scales = scales; p.mask = mask; p.g = g; p.amax = amax; p.tiles = tiles;
-  p.Kout = K;
-  load_signs(p, has_signs, s0, s1, s2, s3);
-  const u32 gpr = K / G;
-  const u32 n = R * gpr;  // host checks R * K / G < 2^32
-  for (u32 gi = blockIdx.x * blockDim.x + threadIdx.x; gi < n; gi += gridDim.x * blockDim.x) {
-    u32 row = gi / gpr, col = (gi - row * gpr) * G;
-    float v[G];
-    load_dense<SRC, G>(v, x, (u64)row * K + col);
-    quant_group<G, NV, RULE, RND>(v, p, row, col);
+  } else {
+    QParams p;
+    p.H = H; p.hs = hs; p.seed = seed; p.key0 = key0; p.pass = pass;
+    p.codes = codes; p.scales = scales; p.mask = mask; p.g = g; p.amax = amax; p.tiles = tiles;
+    p.Kout = K;
+    load_signs(p, has_signs, s0, s1, s2, s3);
+    const u32 gpr = K / G;
+    const u32 n = R * gpr;  // host checks R * K / G < 2^32
+    for (u32 gi = blockIdx.x * blockDim.x + threadIdx.x; gi < n; gi += gridDim.x * blockDim.x) {
+      u32 row = gi / gpr, col = (gi - row * gpr) * G;
+      float v[G];
+      load_dense<SRC, G>(v, x, (u64)row * K + col);
+      quant_group<G, NV, RULE, RND>(v, p, row, col);
+    }
   }
 }
 
@@ -945,6 +946,9 @@ __global__ void __launch_bounds__(256) dequant(const u8* __restrict__ codes, con
 // Instantiations for plain nvcc (CI's compile check builds a cubin of this file). NVRTC skips
 // them: fp4.py instantiates what it launches through CuPy's name_expressions.
 #ifndef __CUDACC_RTC__
+template __global__ void quant_rows<1, 8, false, 1, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<1, 8, false, 0, 1>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<0, 8, false, 0, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_rows<1, 32, false, 1, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_rows<1, 32, false, 0, 1>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_rows<0, 128, true, 0, 2>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);

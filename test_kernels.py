@@ -145,7 +145,9 @@ MX_CASES = [  # (shape, dtype, rule, rounding, hadamard, signs, special)
 @gpu
 @pytest.mark.parametrize("shape,dtype,rule,rnd,had,signed,special", MX_CASES)
 @pytest.mark.parametrize("axis", [-1, 0])
-def test_quantize_mx(shape, dtype, rule, rnd, had, signed, special, axis):
+@pytest.mark.parametrize("layout", ["quad", "group"])  # fp4._mx_rows_layout: both quant_rows variants
+def test_quantize_mx(shape, dtype, rule, rnd, had, signed, special, axis, layout, monkeypatch):
+    monkeypatch.setenv("FP4_MX_ROWS", layout)
     if axis == 0:
         if len(shape) != 2:
             pytest.skip("axis 0 cases are 2-D")
