@@ -695,8 +695,9 @@ __device__ __forceinline__ float load_one(const void* src, u64 off) {
 // ---------------------------------------------------------------------------------------------
 // quant_rows: quantize along the last dim of a row-major (R, K) tensor. One thread per G-group.
 
+// MXFP4 G = 32 asks for 4 CTAs an SM: 64 registers, no spills (was 80-93: 2 CTAs, 16 warps).
 template <int SRC, int G, bool NV, int RULE, int RND>
-__global__ void __launch_bounds__(256) quant_rows(
+__global__ void __launch_bounds__(256, (!NV && G == 32) ? 4 : 1) quant_rows(
     const void* __restrict__ x, u32 R, u32 K, int H, float hs, int has_signs, u32 s0, u32 s1, u32 s2, u32 s3,
     u32 seed, u32 key0, int pass, u8* __restrict__ codes, u8* __restrict__ scales,
     u8* __restrict__ mask, const float* __restrict__ g, u32* __restrict__ amax, u32* __restrict__ tiles) {
