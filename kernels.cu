@@ -3,7 +3,8 @@
 //
 // Every number is defined by the PyTorch reference in fp4.py and must match it bit for bit:
 // FP32 arithmetic in the reference's order, no FMA contraction (compile with --fmad=false; the
-// sums of products below also use __fmul_rn/__fadd_rn), the Hadamard butterfly over strides
+// sums of products below also use __fmul_rn/__fadd_rn; the few explicit __fmaf_* compute one
+// rounding of an exact product, e.g. fma(b, -1, a) == a - b), the Hadamard butterfly over strides
 // 1, 2, ..., n/2 then one multiply by the FP32 1/sqrt(n), halving-tree block sums, and the SR
 // draws u = (lowbias32(lo32(i) ^ key(seed, i >> 32)) >> 8) * 2^-24 of fp4.uniform.
 //
@@ -31,8 +32,8 @@
 //   dequant<OUT>            fp4.dequantize to f32 / bf16 / f16 in the QTensor layout (OUT: 0 f32,
 //       1 bf16, 2 f16). Called by fp4._kernel_dequantize.
 // Host emulation: with FP4_HOST_EMU defined (and host shims for the intrinsics and for
-// shfl_xor / any_sync), the device math up to the Loads section compiles as plain C++; the
-// bit-exactness checks of the MXFP4 paths against the reference were run that way.
+// shfl_xor), the device math up to the Loads section compiles as plain C++:
+// test_kernels.py::test_host_emulation_mx checks the MXFP4 paths against the reference on the CPU.
 // The Blackwell scale swizzle stays a torch permute (fp4.swizzle_scales): one gather over the
 // scales (1/16 or 1/32 of the elements), nothing for a kernel to fuse.
 
