@@ -1037,14 +1037,12 @@ def _sign_words(signs):
 
 def _mx_rows_layout(scale_rule, rounding):
     """MXFP4 quant_rows layout: 'quad' (G = 8: 8 elements a thread, 4 lanes a 32-block, shuffles)
-    or 'group' (G = 32: one thread a block). Both are bit-exact; they differ in speed. By count of
-    SASS instructions per element (H200 is issue-bound here) 'group' is cheaper whenever the
-    per-element work is large (QuEST sums, SR hash); 'quad' has the better memory access (16-byte
-    coalesced loads, 4 chunks in flight, 64 registers) for plain absmax + RN. FP4_MX_ROWS overrides."""
+    or 'group' (G = 32: one thread a block). Both are bit-exact; they differ in speed only. The
+    kernels are issue-bound on the H200, and 'group' needs fewer SASS instructions per element in
+    every MXFP4 case (no shuffles, no per-lane copies of the scale computation), so it is the
+    default until timed otherwise; FP4_MX_ROWS=quad|group selects (bench.py can time both)."""
     forced = os.environ.get("FP4_MX_ROWS")
-    if forced in ("quad", "group"):
-        return forced
-    return "quad" if scale_rule == "absmax" and rounding == "rn" else "group"
+    return forced if forced in ("quad", "group") else "group"
 
 
 def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, signs, seed, block2d):

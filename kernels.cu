@@ -696,9 +696,10 @@ __device__ __forceinline__ float load_one(const void* src, u64 off) {
 // ---------------------------------------------------------------------------------------------
 // quant_rows: quantize along the last dim of a row-major (R, K) tensor. One thread per G-group.
 
-// MXFP4 G = 32 asks for 4 CTAs an SM: 64 registers, no spills (was 80-93: 2 CTAs, 16 warps).
+// MXFP4 (G = 32 and G = 8) asks for 4 CTAs an SM: 64 registers, no spills (G = 32 was 80-95
+// registers: 2 CTAs, 16 warps).
 template <int SRC, int G, bool NV, int RULE, int RND>
-__global__ void __launch_bounds__(256, (!NV && G == 32) ? 4 : 1) quant_rows(
+__global__ void __launch_bounds__(256, (!NV && (G == 32 || G == 8)) ? 4 : 1) quant_rows(
     const void* __restrict__ x, u32 R, u32 K, int H, float hs, int has_signs, u32 s0, u32 s1, u32 s2, u32 s3,
     u32 seed, u32 key0, int pass, u8* __restrict__ codes, u8* __restrict__ scales,
     u8* __restrict__ mask, const float* __restrict__ g, u32* __restrict__ amax, u32* __restrict__ tiles) {
@@ -950,6 +951,8 @@ __global__ void __launch_bounds__(256) dequant(const u8* __restrict__ codes, con
 #ifndef __CUDACC_RTC__
 template __global__ void quant_rows<1, 8, false, 1, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_rows<1, 8, false, 0, 1>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<1, 8, false, 0, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<1, 32, false, 0, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_rows<0, 8, false, 0, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_rows<1, 32, false, 1, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_rows<1, 32, false, 0, 1>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
