@@ -330,25 +330,35 @@ def quantize(x, fmt="mxfp4", axis=-1, scale_rule="absmax", rounding="rn", hadama
     """Quantize x along `axis` (the GEMM contraction dim) to a QTensor. If hadamard > 0 the
     blocks are first rotated by H_n (with signs: a random Hadamard). seed drives 'sr'/'eden'."""
     _check_input(x)
-    if x.is_cuda and kernels_enabled():
-        return _kernel_quantize(x, fmt, axis, scale_rule, rounding, hadamard, signs, seed, block2d)
     axis = axis % x.ndim
     xm = x.detach().movedim(axis, -1)
     k = xm.shape[-1]
-    _check_options(fmt, scale_rule, rounding, block2d, k, x.ndim)
-    if block2d and xm.shape[0] % 16:
-        raise ValueError(f"block2d needs both dims divisible by 16, got {tuple(x.shape)}")
+    signs = _check_quantize(fmt, scale_rule, rounding, hadamard, signs, block2d, xm.shape, x.ndim)
+    if x.is_cuda and kernels_enabled():
+        return _kernel_quantize(x, xm, fmt, axis, scale_rule, rounding, hadamard, signs, seed, block2d)
     xf = xm.reshape(-1, k).float()  # (R, K)
     if hadamard:
-        xf = _fwht(xf, hadamard, _check_hadamard(hadamard, signs, k))
-    elif signs is not None:
-        raise ValueError("signs given without a Hadamard size")
+        xf = _fwht(xf, hadamard, signs)
     quant = _quantize_mx if fmt == "mxfp4" else _quantize_nv
     codes, scales, tscale, mask = quant(xf, scale_rule, rounding, seed, block2d)
     lead = xm.shape[:-1]
     mask = None if mask is None else _pack_bits(mask).reshape(*lead, k // 8)
     return QTensor(pack(codes).reshape(*lead, k // 2), scales.reshape(*lead, -1), tscale, fmt,
                    tuple(x.shape), axis, mask)
+
+
+def _check_quantize(fmt, scale_rule, rounding, hadamard, signs, block2d, moved_shape, ndim):
+    """All of quantize's option checks (shared by the reference and the kernels); returns the
+    signs as validated host FP32, or None."""
+    k = moved_shape[-1]
+    _check_options(fmt, scale_rule, rounding, block2d, k, ndim)
+    if block2d and moved_shape[0] % 16:
+        raise ValueError(f"block2d needs both dims divisible by 16, got {tuple(moved_shape)}")
+    if hadamard:
+        return _check_hadamard(hadamard, signs, k)
+    if signs is not None:
+        raise ValueError("signs given without a Hadamard size")
+    return None
 
 
 def _pack_bits(m):
@@ -520,6 +530,8 @@ def requantize(q, fmt=None, scale_rule="absmax", rounding="sr", hadamard=0, sign
         raise ValueError(f"requantize takes a 2-D QTensor, got shape {q.shape}")
     fmt = fmt or q.fmt
     if q.codes.is_cuda and kernels_enabled():
+        k = q.shape[1 - q.axis]
+        signs = _check_quantize(fmt, scale_rule, rounding, hadamard, signs, False, (k,), 2)
         return _kernel_requantize(q, fmt, scale_rule, rounding, hadamard, signs, seed)
     return quantize(dequantize(q), fmt, 1 - q.axis, scale_rule, rounding, hadamard, signs, seed)
 
@@ -1100,18 +1112,10 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
     return codes, scales, g, mask
 
 
-def _kernel_quantize(x, fmt, axis, scale_rule, rounding, hadamard, signs, seed, block2d):
-    """fp4.quantize through quant_rows / quant_cols (same checks and errors as the reference)."""
-    axis = axis % x.ndim
-    xm = x.detach().movedim(axis, -1)
+def _kernel_quantize(x, xm, fmt, axis, scale_rule, rounding, hadamard, signs, seed, block2d):
+    """fp4.quantize through quant_rows / quant_cols; quantize() has checked the options and moved
+    the quantized axis last (xm)."""
     k = xm.shape[-1]
-    _check_options(fmt, scale_rule, rounding, block2d, k, x.ndim)
-    if block2d and xm.shape[0] % 16:
-        raise ValueError(f"block2d needs both dims divisible by 16, got {tuple(x.shape)}")
-    if hadamard:
-        signs = _check_hadamard(hadamard, signs, k)
-    elif signs is not None:
-        raise ValueError("signs given without a Hadamard size")
     lead = xm.shape[:-1]
     r = xm.numel() // k
     xt = x.detach()
@@ -1145,14 +1149,9 @@ def _kernel_dequantize(q, dtype):
 
 def _kernel_requantize(q, fmt, scale_rule, rounding, hadamard, signs, seed):
     """fp4.requantize in one pass: quant_cols with the QTensor's codes as input (dequantize in the
-    tile load, transpose through shared memory, rotate, scale, round, pack)."""
+    tile load, transpose through shared memory, rotate, scale, round, pack); requantize() has
+    checked the options."""
     axis = 1 - q.axis
-    k = q.shape[axis]
-    _check_options(fmt, scale_rule, rounding, False, k, 2)
-    if hadamard:
-        signs = _check_hadamard(hadamard, signs, k)
-    elif signs is not None:
-        raise ValueError("signs given without a Hadamard size")
     r_in, k_in = q.lead_shape  # the input layout; the output's quantized axis is r_in (== k)
     src = q if q.codes.is_contiguous() and q.scales.is_contiguous() else QTensor(
         q.codes.contiguous(), q.scales.contiguous(), q.tensor_scale, q.fmt, q.shape, q.axis, q.mask)

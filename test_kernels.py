@@ -148,9 +148,9 @@ MX_CASES = [  # (shape, dtype, rule, rounding, hadamard, signs, special)
 @pytest.mark.parametrize("layout", ["quad", "group"])  # fp4._mx_rows_layout: both quant_rows variants
 def test_quantize_mx(shape, dtype, rule, rnd, had, signed, special, axis, layout, monkeypatch):
     monkeypatch.setenv("FP4_MX_ROWS", layout)
-    if axis == 0:
-        if len(shape) != 2:
-            pytest.skip("axis 0 cases are 2-D")
+    if axis == 0 and len(shape) == 3:  # a 3-D tensor quantized along its middle axis instead
+        shape, axis = (shape[0], shape[2], shape[1]), 1
+    elif axis == 0:
         shape = (shape[1], shape[0])  # the quantized axis (first) keeps the sizes above
     x = rand(shape, dtype, seed=hash((shape, rule, rnd, had)) & 0xFFFF, special=special)
     signs = fp4.random_signs(had, 7, "cuda") if signed else None
@@ -470,17 +470,18 @@ BAD_OPTIONS = [
 ]
 
 
+@gpu
 @pytest.mark.parametrize("opts", BAD_OPTIONS)
 def test_dispatch_errors_match_reference(opts):
+    """Bad options on a CUDA tensor raise the reference's error before any launch (quantize and
+    requantize check once, in fp4._check_quantize, then dispatch)."""
     opts = dict(opts)
     x = torch.randn(opts.pop("shape", (32, 64)))
     fmt = opts.pop("fmt")
     with pytest.raises((ValueError, TypeError)) as want:
         fp4.quantize(x, fmt, **opts)
     with pytest.raises(type(want.value)) as got:
-        fp4._kernel_quantize(x, fmt, opts.pop("axis", -1), opts.get("scale_rule", "absmax"),
-                             opts.get("rounding", "rn"), opts.get("hadamard", 0), opts.get("signs"), 0,
-                             opts.get("block2d", False))
+        fp4.quantize(x.cuda(), fmt, **opts)
     assert str(got.value) == str(want.value)
 
 
