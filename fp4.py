@@ -182,10 +182,14 @@ def uniform(seed, n, device="cpu"):
 
 
 def random_signs(n, seed, device="cpu"):
-    """A +-1 FP32 vector of length n for a random Hadamard rotation, from a CPU generator seeded
-    with `seed` (cheap: the backward draws fresh signs on every call; kernels take them as input)."""
-    bits = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed))
-    return (1.0 - 2.0 * bits.float()).to(device)
+    """A +-1 FP32 vector of length n <= 128 for a random Hadamard rotation: sign i is -1 iff bit
+    i mod 32 of lowbias32(seed + 0x632BE5AB * (i // 32 + 1) mod 2^32) is set. Pure host
+    arithmetic (no generator, no device work): the backward draws fresh signs on every call."""
+    if not 0 < n <= 128:
+        raise ValueError(f"random_signs takes 1 <= n <= 128, got {n}")
+    words = [_lowbias32_py(((seed & _M32) + 0x632BE5AB * (w + 1)) & _M32) for w in range((n + 31) // 32)]
+    return torch.tensor([-1.0 if words[i >> 5] >> (i & 31) & 1 else 1.0 for i in range(n)],
+                        dtype=torch.float32, device=device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,9 +234,11 @@ def _check_hadamard(n, signs, k):
     if signs is not None:  # n <= 128 values: checked and kept on the host (no device sync later)
         if signs.shape != (n,):
             raise ValueError(f"signs must have shape ({n},), got {tuple(signs.shape)}")
-        signs = signs.detach().to("cpu", torch.float32)
-        if not bool(((signs == 1) | (signs == -1)).all()):
+        if signs.is_cuda:  # a device-to-host copy waits for the GPU: pass CPU signs where it matters
+            signs = signs.detach().cpu()
+        if not all(v == 1.0 or v == -1.0 for v in signs.tolist()):
             raise ValueError("signs must be +1 or -1")
+        signs = signs.detach().float() if signs.dtype != torch.float32 else signs.detach()
     return signs
 
 
@@ -799,17 +805,12 @@ def _linear_bwd_impl(e, xc, xs, xm, xg, wc, ws, wm, wg, recipe, x_dtype, w_dtype
 
 def _rotate_back(d, q, n):
     """(dL/d(XH) * m) H^T (SPEC 5): the straight-through estimator with QuEST's clip mask, then
-    the inverse rotation (H is symmetric). On a GPU the rotation is one memory-bound GEMM with
-    K = n; a gradient is not a quantizer output, so it need not match the butterfly bit for bit."""
-    d = d * q.clip_mask()
-    if d.is_cuda:
-        return (d.view(-1, n) @ _hadamard_matrix(n, d.device, d.dtype)).view(d.shape)
-    return hadamard(d, n)
-
-
-@functools.cache
-def _hadamard_matrix(n, device, dtype):
-    return _fwht(torch.eye(n), n).to(device=device, dtype=dtype)
+    the inverse rotation (H is symmetric), computed in FP32 and rounded to d's dtype. On a GPU
+    one kernel does it in one pass (rotate_back in kernels.cu), bit for bit."""
+    if d.is_cuda and kernels_enabled() and q.mask is not None and n % 32 == 0:
+        return _kernel_rotate_back(d, q.mask, n)
+    m = q.clip_mask()
+    return hadamard(d * m if m is not None else d, n)
 
 
 @_linear_bwd.register_fake
@@ -823,7 +824,7 @@ def _grad_gemm(e, saved, r, which, seed, axis):
     forward operand re-quantized along the same dim, with shared random signs."""
     fmt, spec_e, spec_s = r["fmt"], r[which + "_e"], r[which + ("_w" if which == "dgrad" else "_x")]
     n = spec_e.get("hadamard", 0)
-    signs = random_signs(n, seed, e.device) if n else None
+    signs = random_signs(n, seed) if n else None  # host signs: no device copy either way
     qe = quantize(e, fmt, axis=axis, seed=seed, signs=signs, **spec_e)
     if spec_s == "transpose":
         qs = transpose_2d(saved)
@@ -1009,15 +1010,22 @@ def _nvrtc_function(cp, code, name, device_index):
     return module.get_function(lowered)
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what inductor uses
+
+
 def _launch(device, name, grid, block, args):
     """Launch on torch's current stream of `device`; args are numpy scalars (pointers as uint64)."""
-    cp = _cupy()
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    current = torch.cuda.current_device()
+    index = device.index if device.index is not None else current
     fn = _kernel_function(index, name)
     if _LAUNCH_LOG is not None:
         _LAUNCH_LOG.append((fn, index, grid, block, args))
-    with cp.cuda.Device(index):
-        fn(grid, block, args, stream=_cupy_stream(torch.cuda.current_stream(device).cuda_stream, index))
+    ptr = _raw_stream(index) if _raw_stream else torch.cuda.current_stream(index).cuda_stream
+    if index == current:  # CuPy launches on the current device: no context switch needed
+        fn(grid, block, args, stream=_cupy_stream(ptr, index))
+    else:
+        with _cupy().cuda.Device(index):
+            fn(grid, block, args, stream=_cupy_stream(ptr, index))
 
 
 @functools.lru_cache(maxsize=64)
@@ -1161,12 +1169,26 @@ def _kernel_requantize(q, fmt, scale_rule, rounding, hadamard, signs, seed):
 
 
 def _kernel_fold(q):
-    """fp4.fold_mx through the fold_mx kernel (one CTA per row: row max of block exponents)."""
+    """fp4.fold_mx through the fold_mx kernel (one warp per row: row max of block exponents)."""
     import numpy as np
     k = q.lead_shape[-1]
     r = q.codes.numel() * 2 // k
     elems = torch.empty(r, k, dtype=torch.uint8, device=q.codes.device)
     rows = torch.empty(r, dtype=torch.float32, device=q.codes.device)
-    _launch(q.codes.device, "fold_mx", (min(r, 1 << 16),), (256,),
+    _launch(q.codes.device, "fold_mx", (min(-(-r // 8), 1 << 16),), (256,),
             (_ptr(q.codes.contiguous()), _ptr(q.scales.contiguous()), np.uint32(r), np.uint32(k), _ptr(elems), _ptr(rows)))
     return elems.view(torch.float8_e4m3fn), rows
+
+
+def _kernel_rotate_back(d, mask, n):
+    """fp4._rotate_back through the rotate_back kernel: mask, Hadamard-n, rounding to d's dtype."""
+    import numpy as np
+    k = d.shape[-1]
+    r = d.numel() // k
+    src = d if _aligned(d) else d.contiguous().clone()
+    mask = mask.contiguous()
+    out = torch.empty(d.shape, dtype=d.dtype, device=d.device)
+    groups = r * (k // n)
+    _launch(d.device, f"rotate_back<{_SRC_KIND[d.dtype]}, {n}>", (min(-(-groups // 256), 1 << 20),), (256,),
+            (_ptr(src), _ptr(mask), np.uint32(r), np.uint32(k), np.float32(_hadamard_scale(n)), _ptr(out)))
+    return out

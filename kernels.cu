@@ -27,8 +27,10 @@
 //       transpose, random Hadamard, absmax/SR or any other option, pack) in one pass.
 //       Called by fp4._kernel_quantize (2-D, axis 0) and fp4._kernel_requantize.
 //   fold_mx                 fp4.fold_mx: MXFP4 codes + E8M0 -> float8_e4m3fn elements
-//       code * 2^(e_block - e_rowmax) and FP32 row scales 2^e_rowmax; one CTA per row.
+//       code * 2^(e_block - e_rowmax) and FP32 row scales 2^e_rowmax; one warp per row.
 //       Called by fp4._kernel_fold.
+//   rotate_back<SRC, G>     fp4._rotate_back: (gradient * QuEST clip mask) H_G in one pass (the
+//       quartet backward's straight-through estimator). Called by fp4._kernel_rotate_back.
 //   dequant<OUT>            fp4.dequantize to f32 / bf16 / f16 in the QTensor layout (OUT: 0 f32,
 //       1 bf16, 2 f16). Called by fp4._kernel_dequantize.
 // Host emulation: with FP4_HOST_EMU defined (and host shims for the intrinsics and for
@@ -856,50 +858,109 @@ __global__ void __launch_bounds__(256) quant_cols(
 }
 
 // ---------------------------------------------------------------------------------------------
-// fold_mx: MXFP4 -> (R, K) float8_e4m3fn + (R,) FP32 row scales (fp4.fold_mx). One CTA a row.
+// fold_mx: MXFP4 -> (R, K) float8_e4m3fn + (R,) FP32 row scales (fp4.fold_mx). One warp a row:
+// the row's block-exponent max by warp reduction, then one 32-block a lane-step (a 16-byte load
+// of codes, two 16-byte stores of E4M3 bytes).
+
+// E4M3 bits of E2M1 magnitude index m (0..7: 0, .5, 1, 1.5, 2, 3, 4, 6) times 2^0, byte m.
+#define E4M3_OF_E2M1 0x4C4844403C383000ull
+
+// The E4M3 byte of e2m1_dec(c) * 2^d for d <= 0 (fp4.fold_mx's element). For d >= -5 every
+// product is an exact E4M3 normal: the biased exponent of the d = 0 byte drops by -d.
+__device__ __forceinline__ u32 fold_byte(u32 c, int d, float rel) {
+  if (d >= -5) {
+    u32 m = c & 7u;
+    u32 b = m ? (u32)((int)((E4M3_OF_E2M1 >> (8 * m)) & 0xFFu) + 8 * d) : 0u;
+    return b | ((c & 8u) << 4);
+  }
+  return e4m3_enc_signed(__fmul_rn(e2m1_dec(c), rel));  // subnormal, rounded or zero
+}
 
 __global__ void __launch_bounds__(256) fold_mx(const u8* __restrict__ codes, const u8* __restrict__ scales,
                                                u32 R, u32 K, u8* __restrict__ out, float* __restrict__ rowscale) {
-  __shared__ int red_e[32];
-  __shared__ int red_nan[32];
+  const u32 lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const u32 nb = K / 32;
-  for (u32 row = blockIdx.x; row < R; row += gridDim.x) {
+  for (u32 row = blockIdx.x * warps + (threadIdx.x >> 5); row < R; row += gridDim.x * warps) {
     const u8* sr = scales + (u64)row * nb;
     int emax = -127, nan = 0;
-    for (u32 b = threadIdx.x; b < nb; b += blockDim.x) {
+    for (u32 b = lane; b < nb; b += 32) {
       u32 s = __ldg(sr + b);
       if (s == 0xFFu) nan = 1;
       else emax = max(emax, (int)s - 127);
     }
     emax = __reduce_max_sync(0xFFFFFFFFu, emax);
     nan = __reduce_or_sync(0xFFFFFFFFu, nan);
-    if ((threadIdx.x & 31) == 0) { red_e[threadIdx.x >> 5] = emax; red_nan[threadIdx.x >> 5] = nan; }
-    __syncthreads();
-    if (threadIdx.x < 32) {
-      int nw = blockDim.x >> 5;
-      emax = threadIdx.x < nw ? red_e[threadIdx.x] : -127;
-      nan = threadIdx.x < nw ? red_nan[threadIdx.x] : 0;
-      emax = __reduce_max_sync(0xFFFFFFFFu, emax);
-      nan = __reduce_or_sync(0xFFFFFFFFu, nan);
-      if (threadIdx.x == 0) { red_e[0] = emax; red_nan[0] = nan; }
-    }
-    __syncthreads();
-    emax = red_e[0];
-    nan = red_nan[0];
-    const u32* cr = reinterpret_cast<const u32*>(codes + (u64)row * (K / 2));
-    uint2* orow = reinterpret_cast<uint2*>(out + (u64)row * K);
-    for (u32 w = threadIdx.x; w < K / 8; w += blockDim.x) {
-      u32 c = __ldg(cr + w);
-      u32 s = __ldg(sr + w / 4);
-      int e = s == 0xFFu ? -127 : (int)s - 127;
-      float rel = exp2i(e - emax);
-      u32 o[2] = {0u, 0u};
+    const uint4* cr = reinterpret_cast<const uint4*>(codes + (u64)row * (K / 2));  // 32 codes each
+    uint4* orow = reinterpret_cast<uint4*>(out + (u64)row * K);
+    for (u32 b = lane; b < nb; b += 32) {
+      uint4 c4 = __ldg(cr + b);
+      u32 s = __ldg(sr + b);
+      int d = (s == 0xFFu ? -127 : (int)s - 127) - emax;
+      float rel = exp2i(d);
+      u32 cw[4] = {c4.x, c4.y, c4.z, c4.w}, o[8];
 #pragma unroll
-      for (int i = 0; i < 8; i++) o[i / 4] |= e4m3_enc_signed(__fmul_rn(e2m1_dec((c >> (4 * i)) & 15u), rel)) << (8 * (i & 3));
-      orow[w] = make_uint2(o[0], o[1]);
+      for (int w = 0; w < 8; w++) {
+        u32 c = cw[w / 2] >> (16 * (w & 1));
+        o[w] = fold_byte(c & 15u, d, rel) | (fold_byte((c >> 4) & 15u, d, rel) << 8) |
+               (fold_byte((c >> 8) & 15u, d, rel) << 16) | (fold_byte((c >> 12) & 15u, d, rel) << 24);
+      }
+      orow[2 * b] = make_uint4(o[0], o[1], o[2], o[3]);
+      orow[2 * b + 1] = make_uint4(o[4], o[5], o[6], o[7]);
     }
-    if (threadIdx.x == 0) rowscale[row] = nan ? __uint_as_float(0x7FFFFFFFu) : exp2i(emax);
-    __syncthreads();
+    if (lane == 0) rowscale[row] = nan ? __uint_as_float(0x7FFFFFFFu) : exp2i(emax);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// rotate_back<SRC, G>: fp4._rotate_back, the quartet backward's straight-through step: (d * clip
+// mask) H_G per G-group along the last dim of a row-major (R, K) d, written in d's dtype (SRC 0
+// f32, 1 bf16, 2 f16). One thread a G-group (G a multiple of 32): one pass instead of a mask
+// unpack, a multiply and a GEMM with H. Called by fp4._kernel_rotate_back.
+
+template <int SRC, int G>
+__device__ __forceinline__ void store_dense(void* dst, u64 off, const float (&x)[G]) {
+  if constexpr (SRC == 0) {
+    float4* o = reinterpret_cast<float4*>(reinterpret_cast<float*>(dst) + off);
+#pragma unroll
+    for (int i = 0; i < G / 4; i++) o[i] = make_float4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3]);
+  } else {
+    uint4* o = reinterpret_cast<uint4*>(reinterpret_cast<unsigned short*>(dst) + off);
+#pragma unroll
+    for (int i = 0; i < G / 8; i++) {
+      u32 w[4];
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        if constexpr (SRC == 1) {
+          __nv_bfloat162 h = __floats2bfloat162_rn(x[8 * i + 2 * k], x[8 * i + 2 * k + 1]);
+          w[k] = *reinterpret_cast<u32*>(&h);
+        } else {
+          __half2 h = __floats2half2_rn(x[8 * i + 2 * k], x[8 * i + 2 * k + 1]);
+          w[k] = *reinterpret_cast<u32*>(&h);
+        }
+      }
+      o[i] = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
+template <int SRC, int G>
+__global__ void __launch_bounds__(256) rotate_back(const void* __restrict__ d, const u8* __restrict__ mask,
+                                                   u32 R, u32 K, float hs, void* __restrict__ out) {
+  QParams p;
+  p.H = G; p.hs = hs; p.has_signs = 0;
+  const u64 n = (u64)R * (K / G);
+  for (u64 gi = (u64)blockIdx.x * blockDim.x + threadIdx.x; gi < n; gi += (u64)gridDim.x * blockDim.x) {
+    const u64 off = gi * G;  // == row * K + col: groups never straddle rows
+    float v[G];
+    load_dense<SRC, G>(v, d, off);
+#pragma unroll
+    for (int c = 0; c < G / 32; c++) {
+      u32 mw = __ldg(reinterpret_cast<const u32*>(mask + off / 8) + c);
+#pragma unroll
+      for (int i = 0; i < 32; i++) v[32 * c + i] = __fmul_rn(v[32 * c + i], (mw >> i) & 1u ? 1.0f : 0.0f);
+    }
+    rotate<G>(v, p);
+    store_dense<SRC, G>(out, off, v);
   }
 }
 
@@ -962,6 +1023,8 @@ template __global__ void quant_rows<1, 16, true, 0, 1>(const void*, u32, u32, in
 template __global__ void quant_cols<1, 32, false, 0, 1>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_cols<3, 32, false, 0, 1>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_cols<0, 64, false, 1, 0>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void rotate_back<1, 32>(const void*, const u8*, u32, u32, float, void*);
+template __global__ void rotate_back<0, 32>(const void*, const u8*, u32, u32, float, void*);
 template __global__ void dequant<0>(const u8*, const u8*, const float*, u32, u32, int, void*);
 template __global__ void dequant<1>(const u8*, const u8*, const float*, u32, u32, int, void*);
 template __global__ void dequant<2>(const u8*, const u8*, const float*, u32, u32, int, void*);

@@ -272,8 +272,15 @@ def test_hadamard_orthogonal_involution(n):
 
 def test_random_signs():
     s = fp4.random_signs(128, 0)
-    assert set(s.unique().tolist()) == {-1.0, 1.0}
+    assert s.dtype == torch.float32 and set(s.unique().tolist()) == {-1.0, 1.0}
+    assert torch.equal(s, fp4.random_signs(128, 0))  # a pure function of the seed
+    assert torch.equal(fp4.random_signs(32, 5), fp4.random_signs(128, 5)[:32])
     assert not torch.equal(s, fp4.random_signs(128, 1))
+    # balanced: over 64 seeds x 128 signs, the count of -1 is Binomial(8192, 1/2): sd 45.3, 5 sd
+    neg = sum(int((fp4.random_signs(128, seed) < 0).sum()) for seed in range(64))
+    assert abs(neg - 4096) < 5 * 45.3
+    with pytest.raises(ValueError, match="1 <= n <= 128"):
+        fp4.random_signs(256, 0)
 
 
 # --- Blackwell scale layout ---------------------------------------------------------------------

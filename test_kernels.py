@@ -227,7 +227,8 @@ def test_requantize(shape, fin, optin, fout, optout):
 
 
 @gpu
-@pytest.mark.parametrize("shape,spread", [((1, 32), 0), ((3, 96), 4), ((129, 2080), 12), ((1000, 160), 40)])
+@pytest.mark.parametrize("shape,spread", [((1, 32), 0), ((3, 96), 4), ((129, 2080), 12), ((1000, 160), 40),
+                                          ((33, 11264), 6)])
 def test_fold(shape, spread):
     x = rand(shape, torch.float32, seed=shape[0], special=spread > 20)
     if spread:  # block exponents spanning `spread` binades in a row (inexact fold beyond 8)
@@ -239,6 +240,22 @@ def test_fold(shape, spread):
     (e_got, r_got), (e_want, r_want) = both("fold_mx", q)
     assert_same(e_got.view(torch.uint8), e_want.view(torch.uint8), "fp8 elements")
     assert_same(r_got, r_want, "row scales")
+
+
+@gpu
+@pytest.mark.parametrize("shape,dtype", [((1, 32), torch.float32), ((129, 2080), torch.bfloat16),
+                                         ((64, 6144), torch.bfloat16), ((33, 96), torch.float16)])
+def test_rotate_back(shape, dtype):
+    """The quartet backward's straight-through step (clip mask, inverse Hadamard-32, rounding to
+    the gradient's dtype): the rotate_back kernel against fp4._rotate_back's reference."""
+    x = rand(shape, torch.float32, seed=3, special=True)
+    with reference():
+        q = fp4.quantize(x, "mxfp4", scale_rule="quest", hadamard=32)
+    if x.numel() > 10**5:
+        assert not bool(q.clip_mask().all()), "no element clipped: the mask is not exercised"
+    d = rand(shape, dtype, seed=4, special=True)
+    got, want = both("_rotate_back", d, q, 32)
+    assert_same(got, want, "masked, rotated gradient")
 
 
 @gpu
