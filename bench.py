@@ -118,6 +118,10 @@ def section_kernels(args):
             ("  kernel only: requant mx RHT32 sr", 2 * (_qbytes(qf) - qf.mask.numel()),
              kernel_only(lambda: fp4.requantize(qf, rounding="sr", hadamard=32, signs=signs))),
             ("  kernel only: mx absmax rn", xin + _qbytes(qf) - qf.mask.numel(), kernel_only(lambda: fp4.quantize(x, "mxfp4"))),
+            ("  kernel only: mx quest+H32 rn +mask +fold (fwd, fp8 operand)", xin + _qbytes(qf) + x.numel() + 4 * r,
+             kernel_only(lambda: fp4.quantize(x, "mxfp4", scale_rule="quest", hadamard=32, fold=True))),
+            ("  kernel only: rotate_back (mask + H32, bf16)", 2 * xin + qf.mask.numel(),
+             kernel_only(lambda: fp4._rotate_back(x, qf, 32))),
         ]
         for name, nbytes, fn in only:
             ms = bench(fn)
@@ -245,7 +249,29 @@ def _fp8_mm(a, b):
                             use_fast_accum=True)
 
 
+def _gemms_only(x, w, e):
+    """The three GEMMs of a linear layer's forward + backward alone, in BF16 and in row-wise FP8
+    (promoted and fast accumulation): what the quantization passes are added to."""
+    m, k, n = x.shape[0], x.shape[1], w.shape[0]
+    f8 = lambda t: t.float().clamp(-6, 6).to(torch.float8_e4m3fn)  # noqa: E731
+    x8, w8, e8 = f8(x), f8(w), f8(e)
+    wt8, et8, xt8 = w8.t().contiguous(), e8.t().contiguous(), x8.t().contiguous()
+    one = {d: torch.ones(d, 1, device="cuda") for d in {m, n, k}}
+
+    def fp8(fast):
+        def run():
+            for a, b, ra, rb in ((x8, w8, m, n), (e8, wt8, m, k), (et8, xt8, n, k)):
+                torch._scaled_mm(a, b.t(), scale_a=one[ra], scale_b=one[rb].t(), out_dtype=torch.bfloat16,
+                                 use_fast_accum=fast)
+        return run
+    return {"bf16 GEMMs only": lambda: (x @ w.t(), e @ w, e.t() @ x),
+            "fp8 GEMMs only (promoted)": fp8(False), "fp8 GEMMs only (fast accum)": fp8(True)}
+
+
 def _fwd_bwd(layer, x, grad):
+    """One forward + backward of layer (a module, or a torch.cuda.make_graphed_callables of one:
+    then the forward and the backward are each one CUDA graph replay, with fresh randomness, plus
+    the copies of x and grad into the graph's static buffers)."""
     def run():
         x.grad = None
         layer(x).backward(grad)
@@ -264,12 +290,21 @@ def section_linear(args):
             lin.weight = ref.weight
             layers[recipe] = lin
         base = None
-        for name, layer in layers.items():
-            ms = bench(_fwd_bwd(layer, x, grad))
-            mem = _saved_bytes(layer, x)
+        runs = {name: _fwd_bwd(layer, x, grad) for name, layer in layers.items()}
+        for name in ("bf16", "quartet"):  # no host overhead: one graph replay (fresh seeds each)
+            # make_graphed_callables replaces a module's forward: graph a twin sharing the weight
+            twin = (torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16) if name == "bf16" else
+                    fp4.FP4Linear(k, n, recipe=name, device="cuda", dtype=torch.bfloat16))
+            twin.weight = ref.weight
+            runs[f"{name} (CUDA graph)"] = _fwd_bwd(torch.cuda.make_graphed_callables(twin, (x,)), x, grad)
+        runs.update(_gemms_only(x.detach(), ref.weight.detach(), grad))
+        for name, run in runs.items():
+            ms = bench(run)
+            mem = _saved_bytes(layers[name], x) if name in layers else None
             base = base or ms
             rows.append(dict(shape=f"{m}x{k}->{n}", layer=name, ms=round(ms, 3),
-                             speedup_vs_bf16=round(base / ms, 3), saved_for_backward_mib=round(mem / 2**20, 1)))
+                             speedup_vs_bf16=round(base / ms, 3),
+                             saved_for_backward_mib=None if mem is None else round(mem / 2**20, 1)))
     rows += linear_totals(rows)
     print_table(rows, ["shape", "layer", "ms", "speedup_vs_bf16", "saved_for_backward_mib"])
     return rows

@@ -192,6 +192,43 @@ def random_signs(n, seed, device="cpu"):
                         dtype=torch.float32, device=device)
 
 
+@dataclass(frozen=True, eq=False)
+class DeviceSeed:
+    """A seed held on the GPU: t[0] (an int32 CUDA tensor of shape (1,)) + offset. The kernels
+    read it from device memory, so a CUDA graph that draws t with torch.randint gets fresh
+    randomness on every replay (FP4Linear's backward does). Anywhere a seed is accepted; the
+    reference path reads it back with host() (a device sync)."""
+    t: torch.Tensor
+    offset: int = 0
+
+    def __post_init__(self):
+        if not (isinstance(self.t, torch.Tensor) and self.t.dtype == torch.int32 and self.t.numel() >= 1):
+            raise TypeError("DeviceSeed takes an int32 tensor with at least one element")
+
+    def __add__(self, k):
+        return DeviceSeed(self.t, self.offset + k)
+
+    def host(self):
+        return (int(self.t.view(torch.int32)[0].item()) + self.offset) & _M32
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceSigns:
+    """random_signs(n, seed) for a DeviceSeed, derived inside the kernels (never on the host)."""
+    n: int
+    seed: DeviceSeed
+
+    def host(self):
+        return random_signs(self.n, self.seed.host())
+
+
+def _host_rng(seed, signs):
+    """Host seed and signs for the reference path (reads device seeds back)."""
+    seed = seed.host() if isinstance(seed, DeviceSeed) else seed
+    signs = signs.host() if isinstance(signs, DeviceSigns) else signs
+    return seed, signs
+
+
 # ---------------------------------------------------------------------------------------------
 # Hadamard rotations (SPEC 4)
 
@@ -231,6 +268,10 @@ def _check_hadamard(n, signs, k):
         raise ValueError(f"hadamard size must be one of {HADAMARD_SIZES} (or 0 for none), got {n!r}")
     if k % n:
         raise ValueError(f"dim of size {k} is not divisible by the Hadamard size {n}")
+    if isinstance(signs, DeviceSigns):
+        if signs.n != n:
+            raise ValueError(f"signs for Hadamard size {signs.n} given with hadamard={n}")
+        return signs
     if signs is not None:  # n <= 128 values: checked and kept on the host (no device sync later)
         if signs.shape != (n,):
             raise ValueError(f"signs must have shape ({n},), got {tuple(signs.shape)}")
@@ -332,16 +373,19 @@ def _check_options(fmt, scale_rule, rounding, block2d, k, ndim):
 
 
 def quantize(x, fmt="mxfp4", axis=-1, scale_rule="absmax", rounding="rn", hadamard=0, signs=None,
-             seed=0, block2d=False):
+             seed=0, block2d=False, fold=False):
     """Quantize x along `axis` (the GEMM contraction dim) to a QTensor. If hadamard > 0 the
-    blocks are first rotated by H_n (with signs: a random Hadamard). seed drives 'sr'/'eden'."""
+    blocks are first rotated by H_n (with signs: a random Hadamard). seed drives 'sr'/'eden'.
+    fold=True asks the GPU kernels to also emit fold_mx's outputs (QTensor.folded, for the fp8
+    GEMM backend) in the same pass where they can; it never changes codes, scales or mask."""
     _check_input(x)
     axis = axis % x.ndim
     xm = x.detach().movedim(axis, -1)
     k = xm.shape[-1]
     signs = _check_quantize(fmt, scale_rule, rounding, hadamard, signs, block2d, xm.shape, x.ndim)
     if x.is_cuda and kernels_enabled():
-        return _kernel_quantize(x, xm, fmt, axis, scale_rule, rounding, hadamard, signs, seed, block2d)
+        return _kernel_quantize(x, xm, fmt, axis, scale_rule, rounding, hadamard, signs, seed, block2d, fold)
+    seed, signs = _host_rng(seed, signs)
     xf = xm.reshape(-1, k).float()  # (R, K)
     if hadamard:
         xf = _fwht(xf, hadamard, signs)
@@ -539,6 +583,7 @@ def requantize(q, fmt=None, scale_rule="absmax", rounding="sr", hadamard=0, sign
         k = q.shape[1 - q.axis]
         signs = _check_quantize(fmt, scale_rule, rounding, hadamard, signs, False, (k,), 2)
         return _kernel_requantize(q, fmt, scale_rule, rounding, hadamard, signs, seed)
+    seed, signs = _host_rng(seed, signs)
     return quantize(dequantize(q), fmt, 1 - q.axis, scale_rule, rounding, hadamard, signs, seed)
 
 
@@ -755,8 +800,9 @@ def _linear_fwd_impl(x, w, recipe, out_dtype):
     """Y (M, N) = Q(X) Q(W)^T for X (M, K), W (N, K); also returns the FP4 tensors the backward
     re-quantizes (codes, scales, mask, tensor scale of X, then of W) instead of BF16 copies."""
     r = RECIPES[recipe]
-    qx = quantize(x, r["fmt"], **r["x"])
-    qw = quantize(w, r["fmt"], **r["w"])
+    fold = mm_backend(r["fmt"], x.device) == "fp8"  # the kernels emit the fp8 operands directly
+    qx = quantize(x, r["fmt"], fold=fold, **r["x"])
+    qw = quantize(w, r["fmt"], fold=fold, **r["w"])
     return (mm(qx, qw, out_dtype),) + _flat(qx) + _flat(qw)
 
 
@@ -795,7 +841,10 @@ def _linear_bwd_impl(e, xc, xs, xm, xg, wc, ws, wm, wg, recipe, x_dtype, w_dtype
     (m, n), k = e.shape, xc.shape[1] * 2
     qx = _unflat(xc, xs, xm, xg, r["fmt"], (m, k))
     qw = _unflat(wc, ws, wm, wg, r["fmt"], (n, k))
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    if e.is_cuda and kernels_enabled():  # drawn on the GPU: graph-safe, no host sync
+        seed = DeviceSeed(torch.randint(0, 2**31 - 1, (1,), device=e.device, dtype=torch.int32))
+    else:
+        seed = int(torch.randint(0, 2**31 - 1, ()).item())
     dx = _grad_gemm(e, qw, r, "dgrad", seed, axis=1)  # (M, K): contraction over N
     dw = _grad_gemm(e, qx, r, "wgrad", seed + 1, axis=0)  # (N, K): contraction over M
     if r["rotate_back"]:  # quartet: straight-through with the clip mask, then undo the rotation
@@ -824,8 +873,13 @@ def _grad_gemm(e, saved, r, which, seed, axis):
     forward operand re-quantized along the same dim, with shared random signs."""
     fmt, spec_e, spec_s = r["fmt"], r[which + "_e"], r[which + ("_w" if which == "dgrad" else "_x")]
     n = spec_e.get("hadamard", 0)
-    signs = random_signs(n, seed) if n else None  # host signs: no device copy either way
-    qe = quantize(e, fmt, axis=axis, seed=seed, signs=signs, **spec_e)
+    if not n:
+        signs = None
+    elif isinstance(seed, DeviceSeed):
+        signs = DeviceSigns(n, seed)  # derived in the kernels from the device seed
+    else:
+        signs = random_signs(n, seed)  # host signs: no device copy either way
+    qe = quantize(e, fmt, axis=axis, seed=seed, signs=signs, fold=mm_backend(fmt, e.device) == "fp8", **spec_e)
     if spec_s == "transpose":
         qs = transpose_2d(saved)
     else:
@@ -1055,6 +1109,25 @@ def _sign_words(signs):
     return words
 
 
+def _rng_args(signs, seed, device):
+    """(has_signs, 4 sign words, seed, key0, device seed tensor) for a kernel launch. A DeviceSeed
+    passes its tensor and its offset (the kernel adds them and derives key0); DeviceSigns pass
+    has_signs = 2 and their seed's offset in word 0 (the kernel derives the words)."""
+    if isinstance(seed, DeviceSeed):
+        if seed.t.device != device:
+            raise ValueError(f"DeviceSeed on {seed.t.device}, tensor on {device}")
+        if isinstance(signs, DeviceSigns):
+            if signs.seed.t is not seed.t:
+                raise ValueError("DeviceSigns must share the DeviceSeed's tensor")
+            return 2, [signs.seed.offset & _M32, 0, 0, 0], seed.offset & _M32, 0, seed.t
+        words = _sign_words(signs) if signs is not None else [0, 0, 0, 0]
+        return int(signs is not None), words, seed.offset & _M32, 0, seed.t
+    if isinstance(signs, DeviceSigns):
+        raise ValueError("DeviceSigns need a DeviceSeed seed")
+    words = _sign_words(signs) if signs is not None else [0, 0, 0, 0]
+    return int(signs is not None), words, seed & _M32, hash_key(seed, 0), None
+
+
 def _mx_rows_layout(scale_rule, rounding):
     """MXFP4 quant_rows layout: 'quad' (G = 8: 8 elements a thread, 4 lanes a 32-block, shuffles)
     or 'group' (G = 32: one thread a block). Both are bit-exact; they differ in speed only. The
@@ -1065,23 +1138,26 @@ def _mx_rows_layout(scale_rule, rounding):
     return forced if forced in ("quad", "group") else "group"
 
 
-def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, signs, seed, block2d):
+def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, signs, seed, block2d, fold=False):
     """Run quant_rows (kind 'rows': quantize the (r, k) row-major src along k) or quant_cols
     (kind 'cols': along r; src dense (r, k), or qin a QTensor whose codes (r, k/2) are the input).
-    Returns codes, scales, tensor scale, mask in the QTensor layout (rows, K) of the output."""
+    Returns codes, scales, tensor scale, mask in the QTensor layout (rows, K) of the output, and
+    fold_mx's outputs when `fold` asked for them and quant_rows_fold applies (else None)."""
     import numpy as np
     dev = src.device
     bs = FORMATS[fmt]
     nv = fmt == "nvfp4"
     rows, kq = (r, k) if kind == "rows" else (k, r)  # output layout: quantized axis kq last
     g_size = max(bs, hadamard, EDEN_GROUP if rounding == "eden" else 0)
+    if fold and kind == "rows" and not nv and g_size == 32 and k // 32 <= 1024:
+        return _quant_rows_fold(src, r, k, scale_rule, rounding, hadamard, signs, seed)
     if kind == "rows" and not nv and g_size == 32 and _mx_rows_layout(scale_rule, rounding) == "quad":
         g_size = 8  # quant_rows<..., 8, ...>: the warp-cooperative MXFP4 variant (8 elements a thread)
     src_kind = _SRC_KIND[src.dtype] if qin is None else _SRC_KIND[qin.fmt]
     codes = torch.empty(rows, kq // 2, dtype=torch.uint8, device=dev)
     scales = torch.empty(rows, kq // bs, dtype=torch.uint8, device=dev)
     mask = torch.empty(rows, kq // 8, dtype=torch.uint8, device=dev) if scale_rule == "quest" else None
-    signw = _sign_words(signs) if signs is not None else [0, 0, 0, 0]
+    has_signs, signw, seed_arg, key0, dseed = _rng_args(signs, seed, dev)
     amax = torch.zeros(1, dtype=torch.int32, device=dev) if nv else None
     tiles = torch.zeros(rows // 16, kq // 16, dtype=torch.int32, device=dev) if block2d else None
     g = None
@@ -1107,9 +1183,8 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
     hs = np.float32(_hadamard_scale(hadamard) if hadamard else 0.0)
 
     def args(pass_, g_):
-        return head + (np.int32(hadamard), hs, np.int32(signs is not None), *(np.uint32(w) for w in signw),
-                       np.uint32(seed & _M32), np.uint32(hash_key(seed, 0)),
-                       np.int32(pass_), _ptr(codes), _ptr(scales), _ptr(mask), _ptr(g_), _ptr(amax), _ptr(tiles))
+        return head + (np.int32(hadamard), hs, np.int32(has_signs), *(np.uint32(w) for w in signw),
+                       np.uint32(seed_arg), np.uint32(key0), _ptr(dseed), np.int32(pass_), _ptr(codes), _ptr(scales), _ptr(mask), _ptr(g_), _ptr(amax), _ptr(tiles))
 
     if nv:  # pre-pass: amax over the finite (rotated) blocks -> g (fp4._tensor_scale); tile amax
         _launch(dev, name, grid, block, args(1, None))
@@ -1117,10 +1192,32 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
         g = finite_amax / torch.full_like(finite_amax, 6 * E4M3_MAX)  # a true division on any device
         g = torch.where(finite_amax > 0, g, torch.ones_like(g))
     _launch(dev, name, grid, block, args(0, g))
-    return codes, scales, g, mask
+    return codes, scales, g, mask, None
 
 
-def _kernel_quantize(x, xm, fmt, axis, scale_rule, rounding, hadamard, signs, seed, block2d):
+def _quant_rows_fold(src, r, k, scale_rule, rounding, hadamard, signs, seed):
+    """MXFP4 along the rows of src (r, k) with the Hopper fold emitted by the same kernel: one
+    CTA holds whole rows (k / 32 threads a row, rounded up to a warp)."""
+    import numpy as np
+    dev = src.device
+    tpr = -(-(k // 32) // 32) * 32
+    rpc = max(1, 256 // tpr)
+    codes = torch.empty(r, k // 2, dtype=torch.uint8, device=dev)
+    scales = torch.empty(r, k // 32, dtype=torch.uint8, device=dev)
+    mask = torch.empty(r, k // 8, dtype=torch.uint8, device=dev) if scale_rule == "quest" else None
+    f8 = torch.empty(r, k, dtype=torch.uint8, device=dev)
+    rowscale = torch.empty(r, dtype=torch.float32, device=dev)
+    has_signs, signw, seed_arg, key0, dseed = _rng_args(signs, seed, dev)
+    hs = np.float32(_hadamard_scale(hadamard) if hadamard else 0.0)
+    name = f"quant_rows_fold<{_SRC_KIND[src.dtype]}, {_RULE_ID[scale_rule]}, {_ROUND_ID[rounding]}>"
+    _launch(dev, name, (-(-r // rpc),), (tpr, rpc),
+            (_ptr(src), np.uint32(r), np.uint32(k), np.int32(hadamard), hs, np.int32(has_signs),
+             *(np.uint32(w) for w in signw), np.uint32(seed_arg), np.uint32(key0), _ptr(dseed),
+             _ptr(codes), _ptr(scales), _ptr(mask), _ptr(f8), _ptr(rowscale)))
+    return codes, scales, None, mask, (f8.view(torch.float8_e4m3fn), rowscale)
+
+
+def _kernel_quantize(x, xm, fmt, axis, scale_rule, rounding, hadamard, signs, seed, block2d, fold=False):
     """fp4.quantize through quant_rows / quant_cols; quantize() has checked the options and moved
     the quantized axis last (xm)."""
     k = xm.shape[-1]
@@ -1128,15 +1225,15 @@ def _kernel_quantize(x, xm, fmt, axis, scale_rule, rounding, hadamard, signs, se
     r = xm.numel() // k
     xt = x.detach()
     if x.ndim == 2 and axis == 0 and not _aligned(xm) and _aligned(xt):
-        codes, scales, g, mask = _quant_launch("cols", xt, None, k, r, fmt, scale_rule, rounding,
-                                               hadamard, signs, seed, block2d)
+        codes, scales, g, mask, folded = _quant_launch("cols", xt, None, k, r, fmt, scale_rule, rounding,
+                                                       hadamard, signs, seed, block2d)
     else:
         src = xm if _aligned(xm) else xm.contiguous()
         src = src if _aligned(src) else src.clone()  # a view at an odd offset: realign
-        codes, scales, g, mask = _quant_launch("rows", src, None, r, k, fmt, scale_rule, rounding,
-                                               hadamard, signs, seed, block2d)
+        codes, scales, g, mask, folded = _quant_launch("rows", src, None, r, k, fmt, scale_rule, rounding,
+                                                       hadamard, signs, seed, block2d, fold)
     mask = None if mask is None else mask.view(*lead, k // 8)
-    return QTensor(codes.view(*lead, k // 2), scales.view(*lead, -1), g, fmt, tuple(x.shape), axis, mask)
+    return QTensor(codes.view(*lead, k // 2), scales.view(*lead, -1), g, fmt, tuple(x.shape), axis, mask, folded)
 
 
 def _kernel_dequantize(q, dtype):
@@ -1163,8 +1260,8 @@ def _kernel_requantize(q, fmt, scale_rule, rounding, hadamard, signs, seed):
     r_in, k_in = q.lead_shape  # the input layout; the output's quantized axis is r_in (== k)
     src = q if q.codes.is_contiguous() and q.scales.is_contiguous() else QTensor(
         q.codes.contiguous(), q.scales.contiguous(), q.tensor_scale, q.fmt, q.shape, q.axis, q.mask)
-    codes, scales, g, mask = _quant_launch("cols", src.codes, src, r_in, k_in, fmt, scale_rule, rounding,
-                                           hadamard, signs, seed, False)
+    codes, scales, g, mask, _ = _quant_launch("cols", src.codes, src, r_in, k_in, fmt, scale_rule, rounding,
+                                              hadamard, signs, seed, False)
     return QTensor(codes, scales, g, fmt, tuple(q.shape), axis, mask)
 
 

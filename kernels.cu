@@ -29,6 +29,9 @@
 //   fold_mx                 fp4.fold_mx: MXFP4 codes + E8M0 -> float8_e4m3fn elements
 //       code * 2^(e_block - e_rowmax) and FP32 row scales 2^e_rowmax; one warp per row.
 //       Called by fp4._kernel_fold.
+//   quant_rows_fold<SRC, RULE, RND>  quant_rows for MXFP4 (G = 32) that also writes fold_mx's
+//       outputs (E4M3 elements + row scales): a CTA holds whole rows. Called by fp4._quant_launch
+//       when fp4.quantize is asked for fold=True (the fp8 GEMM backend's operands).
 //   rotate_back<SRC, G>     fp4._rotate_back: (gradient * QuEST clip mask) H_G in one pass (the
 //       quartet backward's straight-through estimator). Called by fp4._kernel_rotate_back.
 //   dequant<OUT>            fp4.dequantize to f32 / bf16 / f16 in the QTensor layout (OUT: 0 f32,
@@ -318,8 +321,10 @@ __device__ __forceinline__ void store_bytes(u8* dst, const u32* w) {  // N bytes
 }
 
 // MXFP4 (SPEC 2-3): scale 2^e per 32-block, E8M0 bits e + 127.
+// cw_out / e_out (G == 32, quant_rows_fold): the block's code words and its exponent (-128: NaN).
 template <int G, int RULE, int RND>
-__device__ __forceinline__ void quant_group_mx(float (&x)[G], const QParams& p, u32 orow, u32 ocol) {
+__device__ __forceinline__ void quant_group_mx(float (&x)[G], const QParams& p, u32 orow, u32 ocol,
+                                               u32* cw_out = nullptr, int* e_out = nullptr) {
   const u64 base = (u64)orow * p.Kout + ocol;
   const u32 key = (base >> 32) ? hash_key(p.seed, (u32)(base >> 32)) : p.key0;
   u32 cw[G / 8];
@@ -373,6 +378,11 @@ __device__ __forceinline__ void quant_group_mx(float (&x)[G], const QParams& p, 
     }
     mw[b] = bad ? 0u : m;
     p.scales[(u64)orow * (p.Kout / 32) + ocol / 32 + b] = bad ? (u8)0xFF : (u8)(e + 127);
+    if (e_out) *e_out = bad ? -128 : e;
+  }
+  if (cw_out) {
+#pragma unroll
+    for (int i = 0; i < G / 8; i++) cw_out[i] = cw[i];
   }
   store_bytes<G / 2>(p.codes + (base >> 1), cw);
   if (p.mask) store_bytes<G / 8>(p.mask + (base >> 3), mw);
@@ -696,6 +706,27 @@ __device__ __forceinline__ float load_one(const void* src, u64 off) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Seeds and signs from device memory (dseed non-null): the FP4Linear backward draws its seed on
+// the GPU, so a captured CUDA graph gets fresh randomness on every replay. seed becomes
+// dseed[0] + seed (the host passes an offset), and has_signs == 2 asks for fp4.random_signs of
+// dseed[0] + s0: word w = lowbias32(base + 0x632BE5AB * (w + 1)).
+__device__ __forceinline__ void device_rng(const u32* dseed, int& has_signs, u32& s0, u32& s1, u32& s2, u32& s3,
+                                           u32& seed, u32& key0) {
+  if (!dseed) return;
+  const u32 base = __ldg(dseed);
+  seed += base;
+  key0 = hash_key(seed, 0);
+  if (has_signs == 2) {
+    const u32 b = base + s0;
+    s0 = lowbias32(b + 0x632BE5ABu);
+    s1 = lowbias32(b + 2u * 0x632BE5ABu);
+    s2 = lowbias32(b + 3u * 0x632BE5ABu);
+    s3 = lowbias32(b + 4u * 0x632BE5ABu);
+    has_signs = 1;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // quant_rows: quantize along the last dim of a row-major (R, K) tensor. One thread per G-group.
 
 // MXFP4 (G = 32 and G = 8) asks for 4 CTAs an SM: 64 registers, no spills (G = 32 was 80-95
@@ -703,8 +734,9 @@ __device__ __forceinline__ float load_one(const void* src, u64 off) {
 template <int SRC, int G, bool NV, int RULE, int RND>
 __global__ void __launch_bounds__(256, (!NV && (G == 32 || G == 8)) ? 4 : 1) quant_rows(
     const void* __restrict__ x, u32 R, u32 K, int H, float hs, int has_signs, u32 s0, u32 s1, u32 s2, u32 s3,
-    u32 seed, u32 key0, int pass, u8* __restrict__ codes, u8* __restrict__ scales,
+    u32 seed, u32 key0, const u32* __restrict__ dseed, int pass, u8* __restrict__ codes, u8* __restrict__ scales,
     u8* __restrict__ mask, const float* __restrict__ g, u32* __restrict__ amax, u32* __restrict__ tiles) {
+  device_rng(dseed, has_signs, s0, s1, s2, s3, seed, key0);
   if constexpr (!NV && G == 8) {  // MXFP4 32-blocks, Hadamard 0/16/32, 8 elements a thread: mx_chunk
     MxArgs a;
     const u32 lane = threadIdx.x & 31, q = lane & 3;
@@ -836,9 +868,10 @@ __device__ __forceinline__ void load_tile(float* tile, const void* __restrict__ 
 template <int SRC, int G, bool NV, int RULE, int RND>
 __global__ void __launch_bounds__(256) quant_cols(
     const void* __restrict__ x, const u8* __restrict__ in_scales, const float* __restrict__ gin, u32 R, u32 K,
-    int H, float hs, int has_signs, u32 s0, u32 s1, u32 s2, u32 s3, u32 seed, u32 key0, int pass,
-    u8* __restrict__ codes, u8* __restrict__ scales, u8* __restrict__ mask, const float* __restrict__ g,
-    u32* __restrict__ amax, u32* __restrict__ tiles) {
+    int H, float hs, int has_signs, u32 s0, u32 s1, u32 s2, u32 s3, u32 seed, u32 key0,
+    const u32* __restrict__ dseed, int pass, u8* __restrict__ codes, u8* __restrict__ scales, u8* __restrict__ mask,
+    const float* __restrict__ g, u32* __restrict__ amax, u32* __restrict__ tiles) {
+  device_rng(dseed, has_signs, s0, s1, s2, s3, seed, key0);
   __shared__ __align__(16) float tile[TILE_R * TILE_LD];
   QParams p;
   p.H = H; p.hs = hs; p.seed = seed; p.key0 = key0; p.pass = pass;
@@ -876,6 +909,20 @@ __device__ __forceinline__ u32 fold_byte(u32 c, int d, float rel) {
   return e4m3_enc_signed(__fmul_rn(e2m1_dec(c), rel));  // subnormal, rounded or zero
 }
 
+// One 32-block's 16 code bytes (4 words) -> 32 E4M3 bytes at dst (16-byte aligned); d = e - e_rowmax.
+__device__ __forceinline__ void fold_block(uint4* dst, const u32 (&cw)[4], int d) {
+  const float rel = exp2i(d);
+  u32 o[8];
+#pragma unroll
+  for (int w = 0; w < 8; w++) {
+    u32 c = cw[w / 2] >> (16 * (w & 1));
+    o[w] = fold_byte(c & 15u, d, rel) | (fold_byte((c >> 4) & 15u, d, rel) << 8) |
+           (fold_byte((c >> 8) & 15u, d, rel) << 16) | (fold_byte((c >> 12) & 15u, d, rel) << 24);
+  }
+  dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+  dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
 __global__ void __launch_bounds__(256) fold_mx(const u8* __restrict__ codes, const u8* __restrict__ scales,
                                                u32 R, u32 K, u8* __restrict__ out, float* __restrict__ rowscale) {
   const u32 lane = threadIdx.x & 31, warps = blockDim.x >> 5;
@@ -895,20 +942,54 @@ __global__ void __launch_bounds__(256) fold_mx(const u8* __restrict__ codes, con
     for (u32 b = lane; b < nb; b += 32) {
       uint4 c4 = __ldg(cr + b);
       u32 s = __ldg(sr + b);
-      int d = (s == 0xFFu ? -127 : (int)s - 127) - emax;
-      float rel = exp2i(d);
-      u32 cw[4] = {c4.x, c4.y, c4.z, c4.w}, o[8];
-#pragma unroll
-      for (int w = 0; w < 8; w++) {
-        u32 c = cw[w / 2] >> (16 * (w & 1));
-        o[w] = fold_byte(c & 15u, d, rel) | (fold_byte((c >> 4) & 15u, d, rel) << 8) |
-               (fold_byte((c >> 8) & 15u, d, rel) << 16) | (fold_byte((c >> 12) & 15u, d, rel) << 24);
-      }
-      orow[2 * b] = make_uint4(o[0], o[1], o[2], o[3]);
-      orow[2 * b + 1] = make_uint4(o[4], o[5], o[6], o[7]);
+      const u32 cw[4] = {c4.x, c4.y, c4.z, c4.w};
+      fold_block(orow + 2 * b, cw, (s == 0xFFu ? -127 : (int)s - 127) - emax);
     }
     if (lane == 0) rowscale[row] = nan ? __uint_as_float(0x7FFFFFFFu) : exp2i(emax);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// quant_rows_fold<SRC, RULE, RND>: MXFP4 quant_rows (G = 32) that also emits the Hopper fold, so
+// the fp8 GEMM needs no fold_mx pass. blockDim = (threads a row: K/32 rounded up to a warp
+// multiple, <= 1024; rows a CTA); one thread a 32-block. The row's block-exponent max goes
+// through a warp reduction and a shared atomicMax; codes, scales and mask are written as by
+// quant_rows. Called by fp4._quant_launch (fp4.quantize(..., fold=True) on a GPU).
+
+template <int SRC, int RULE, int RND>
+__global__ void __launch_bounds__(1024) quant_rows_fold(
+    const void* __restrict__ x, u32 R, u32 K, int H, float hs, int has_signs, u32 s0, u32 s1, u32 s2, u32 s3,
+    u32 seed, u32 key0, const u32* __restrict__ dseed, u8* __restrict__ codes, u8* __restrict__ scales,
+    u8* __restrict__ mask, u8* __restrict__ f8, float* __restrict__ rowscale) {
+  device_rng(dseed, has_signs, s0, s1, s2, s3, seed, key0);
+  __shared__ int red_e[32], red_nan[32];  // per row of the CTA (blockDim.y <= 32)
+  const u32 tx = threadIdx.x, ty = threadIdx.y;
+  if (tx == 0) { red_e[ty] = -127; red_nan[ty] = 0; }
+  QParams p;
+  p.H = H; p.hs = hs; p.seed = seed; p.key0 = key0; p.pass = 0;
+  p.codes = codes; p.scales = scales; p.mask = mask; p.g = nullptr; p.amax = nullptr; p.tiles = nullptr;
+  p.Kout = K;
+  load_signs(p, has_signs, s0, s1, s2, s3);
+  const u32 row = blockIdx.x * blockDim.y + ty;
+  const bool active = row < R && tx < K / 32;
+  u32 cw[4];
+  int e = -127;
+  if (active) {
+    float v[32];
+    load_dense<SRC, 32>(v, x, (u64)row * K + tx * 32);
+    rotate<32>(v, p);
+    quant_group_mx<32, RULE, RND>(v, p, row, tx * 32, cw, &e);
+  }
+  int em = (active && e != -128) ? e : -127, nan = active && e == -128;
+  em = __reduce_max_sync(0xFFFFFFFFu, em);  // a warp never spans two rows (blockDim.x % 32 == 0)
+  nan = __reduce_or_sync(0xFFFFFFFFu, nan);
+  __syncthreads();  // red_* initialised
+  if ((tx & 31) == 0) { atomicMax(&red_e[ty], em); atomicOr(&red_nan[ty], nan); }
+  __syncthreads();
+  if (!active) return;
+  const int emax = red_e[ty];
+  fold_block(reinterpret_cast<uint4*>(f8 + (u64)row * K) + 2 * tx, cw, (e == -128 ? -127 : e) - emax);
+  if (tx == 0) rowscale[row] = red_nan[ty] ? __uint_as_float(0x7FFFFFFFu) : exp2i(emax);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1010,19 +1091,21 @@ __global__ void __launch_bounds__(256) dequant(const u8* __restrict__ codes, con
 // Instantiations for plain nvcc (CI's compile check builds a cubin of this file). NVRTC skips
 // them: fp4.py instantiates what it launches through CuPy's name_expressions.
 #ifndef __CUDACC_RTC__
-template __global__ void quant_rows<1, 8, false, 1, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
-template __global__ void quant_rows<1, 8, false, 0, 1>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
-template __global__ void quant_rows<1, 8, false, 0, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
-template __global__ void quant_rows<1, 32, false, 0, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
-template __global__ void quant_rows<0, 8, false, 0, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
-template __global__ void quant_rows<1, 32, false, 1, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
-template __global__ void quant_rows<1, 32, false, 0, 1>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
-template __global__ void quant_rows<0, 128, true, 0, 2>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
-template __global__ void quant_rows<2, 16, true, 2, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
-template __global__ void quant_rows<1, 16, true, 0, 1>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
-template __global__ void quant_cols<1, 32, false, 0, 1>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
-template __global__ void quant_cols<3, 32, false, 0, 1>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
-template __global__ void quant_cols<0, 64, false, 1, 0>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<1, 8, false, 1, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<1, 8, false, 0, 1>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<1, 8, false, 0, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<1, 32, false, 0, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<0, 8, false, 0, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<1, 32, false, 1, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<1, 32, false, 0, 1>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<0, 128, true, 0, 2>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<2, 16, true, 2, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<1, 16, true, 0, 1>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_cols<1, 32, false, 0, 1>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_cols<3, 32, false, 0, 1>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_cols<0, 64, false, 1, 0>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows_fold<1, 1, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, u8*, u8*, u8*, u8*, float*);
+template __global__ void quant_rows_fold<1, 0, 1>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, u8*, u8*, u8*, u8*, float*);
 template __global__ void rotate_back<1, 32>(const void*, const u8*, u32, u32, float, void*);
 template __global__ void rotate_back<0, 32>(const void*, const u8*, u32, u32, float, void*);
 template __global__ void dequant<0>(const u8*, const u8*, const float*, u32, u32, int, void*);

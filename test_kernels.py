@@ -242,6 +242,102 @@ def test_fold(shape, spread):
     assert_same(r_got, r_want, "row scales")
 
 
+FOLD_CASES = [  # (shape, dtype, rule, rounding, hadamard, signs): K/32 threads a row, rounded up to a warp
+    ((1, 32), torch.float32, "absmax", "rn", 0, False),
+    ((5, 2080), torch.bfloat16, "quest", "rn", 32, False),
+    ((129, 2048), torch.bfloat16, "quest", "rn", 32, False),
+    ((33, 11264), torch.bfloat16, "absmax", "sr", 32, True),
+    ((7, 160), torch.float16, "absmax", "sr", 16, True),
+]
+
+
+@gpu
+@pytest.mark.parametrize("shape,dtype,rule,rnd,had,signed", FOLD_CASES)
+@pytest.mark.parametrize("spread", [0, 12])
+def test_quantize_fold(shape, dtype, rule, rnd, had, signed, spread):
+    """quantize(fold=True) (quant_rows_fold): the same QTensor as the reference, and its folded
+    E4M3 elements + row scales equal fold_mx of the reference QTensor, bit for bit."""
+    x = rand(shape, torch.float32, seed=shape[1], special=True)
+    if spread:  # block exponents spanning `spread` binades in a row (the fold's subnormal path)
+        gen = torch.Generator(device="cuda").manual_seed(2)
+        e = torch.randint(-spread, 1, (shape[0], shape[1] // 32, 1), generator=gen, device="cuda").float()
+        x = (x.view(shape[0], -1, 32) * torch.exp2(e)).view(shape)
+    x = x.to(dtype)
+    opts = dict(scale_rule=rule, rounding=rnd, hadamard=had, seed=123,
+                signs=fp4.random_signs(had, 9) if signed else None)
+    got = fp4.quantize(x, "mxfp4", fold=True, **opts)
+    torch.cuda.synchronize()
+    assert got.folded is not None, "quantize(fold=True) did not emit the fold"
+    with reference():
+        want = fp4.quantize(x.cpu(), "mxfp4", **opts)
+        e_want, r_want = fp4.fold_mx(want)
+    assert_qtensor(got, _to(want, "cuda"))
+    assert_same(got.folded[0].view(torch.uint8), e_want.view(torch.uint8).cuda(), "folded fp8 elements")
+    assert_same(got.folded[1], r_want.cuda(), "folded row scales")
+
+
+DSEED_CASES = [  # every kernel that draws random numbers or takes random signs
+    dict(fmt="mxfp4", rounding="sr", hadamard=32),
+    dict(fmt="mxfp4", rounding="sr", hadamard=32, fold=True),
+    dict(fmt="mxfp4", rounding="sr", hadamard=32, axis=0),
+    dict(fmt="nvfp4", rounding="eden", hadamard=128),
+    dict(fmt="nvfp4", rounding="sr", hadamard=16, axis=0),
+]
+
+
+@gpu
+@pytest.mark.parametrize("opts", DSEED_CASES)
+@pytest.mark.parametrize("layout", ["group", "quad"])
+def test_device_seed_matches_host_seed(opts, layout, monkeypatch):
+    """A DeviceSeed (read by the kernels from GPU memory) and DeviceSigns (derived in the kernels)
+    give the same QTensor as the equal host seed and fp4.random_signs, for quantize, requantize
+    and the reference path."""
+    monkeypatch.setenv("FP4_MX_ROWS", layout)
+    x = rand((256, 384), torch.bfloat16, seed=8, special=True)
+    t = torch.tensor([2**31 - 5], dtype=torch.int32, device="cuda")
+    dseed, dsigns = fp4.DeviceSeed(t, 17), fp4.DeviceSigns(opts["hadamard"], fp4.DeviceSeed(t, 5))
+    hseed, hsigns = (2**31 - 5 + 17), fp4.random_signs(opts["hadamard"], 2**31 - 5 + 5)
+    got = fp4.quantize(x, seed=dseed, signs=dsigns, **opts)
+    want = fp4.quantize(x, seed=hseed, signs=hsigns, **opts)
+    torch.cuda.synchronize()
+    assert_qtensor(got, want)
+    if opts.get("fold"):
+        assert_same(got.folded[0].view(torch.uint8), want.folded[0].view(torch.uint8), "folded elements")
+    q = fp4.quantize(x, opts["fmt"])
+    ropts = dict(rounding=opts["rounding"], hadamard=opts["hadamard"])
+    assert_qtensor(fp4.requantize(q, seed=dseed, signs=dsigns, **ropts), fp4.requantize(q, seed=hseed, signs=hsigns, **ropts))
+    opts = {k: v for k, v in opts.items() if k != "fold"}
+    with reference():
+        assert_qtensor(fp4.quantize(x, seed=dseed, signs=dsigns, **opts), fp4.quantize(x, seed=hseed, signs=hsigns, **opts))
+
+
+@gpu
+@pytest.mark.parametrize("recipe", ["quartet", "nvfp4"])
+def test_linear_cuda_graph_fresh_randomness(recipe):
+    """FP4Linear forward + backward captured in a CUDA graph (torch.cuda.make_graphed_callables):
+    the forward replays exactly, and every backward replay draws a fresh seed on the GPU, so
+    successive gradients differ, each one FP4-close to the BF16 gradient."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
+    lin = fp4.FP4Linear(512, 384, recipe=recipe, device="cuda", dtype=torch.bfloat16)
+    y_eager = lin(x).detach()
+    graphed = torch.cuda.make_graphed_callables(lin, (x,))
+    ref_dx = (g.float() @ lin.weight.float())
+    grads = []
+    for _ in range(3):
+        x.grad, lin.weight.grad = None, None
+        y = graphed(x)
+        y.backward(g)
+        grads.append(x.grad.float().clone())
+    torch.cuda.synchronize()
+    assert torch.equal(y.detach(), y_eager)
+    assert not torch.equal(grads[0], grads[1]) and not torch.equal(grads[1], grads[2]), "a replay reused its randomness"
+    for dx in grads:
+        rel = float((dx - ref_dx).norm() / ref_dx.norm())
+        assert rel < 0.5, f"graphed dX is {rel:.2f} (relative) from the BF16 gradient"
+
+
 @gpu
 @pytest.mark.parametrize("shape,dtype", [((1, 32), torch.float32), ((129, 2080), torch.bfloat16),
                                          ((64, 6144), torch.bfloat16), ((33, 96), torch.float16)])
