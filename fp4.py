@@ -665,14 +665,20 @@ def mm_backend(fmt, device):
         if forced not in MM_BACKENDS:
             raise ValueError(f"FP4_BACKEND={forced!r} is not one of {MM_BACKENDS}")
         return forced
-    if torch.device(device).type != "cuda":
+    device = torch.device(device)
+    if device.type != "cuda":
         return "emulated"
-    cc = torch.cuda.get_device_capability(device)
+    cc = _capability(device.index if device.index is not None else torch.cuda.current_device())
     if cc[0] in (10, 12):
         return "native"
     if cc == (9, 0) and fmt == "mxfp4":
         return "fp8"
     return "bf16"
+
+
+@functools.cache
+def _capability(index):  # asked on every GEMM: cached per device (a properties query otherwise)
+    return torch.cuda.get_device_capability(index)
 
 
 def _dequantize_lead(q, dtype=torch.float32):
@@ -773,6 +779,7 @@ def _recipe(name):
     return RECIPES[name]
 
 
+@functools.cache
 def _dim_multiple(recipe):
     """What every GEMM dim (in, out and tokens) must be divisible by under a recipe."""
     r = _recipe(recipe)
