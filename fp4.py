@@ -19,6 +19,9 @@ Bit-exactness contract with the kernels (everything in FP32, no fused multiply-a
   - Stochastic rounding draws u = (hash(seed, index) >> 8) * 2^-24, index = row * K + k in the
     QTensor's layout (quantized axis last), hash = lowbias32(lo32(index) ^ key(seed, index >> 32))
     (see uniform). Round up iff u < (|v| - lo) / (hi - lo).
+  - Random Hadamard signs: random_signs(n, seed), sign i = bit i mod 32 of
+    lowbias32(seed + 0x632BE5AB * (i // 32 + 1)); the kernels derive the same bits from a
+    DeviceSeed.
 """
 import functools
 import math
@@ -843,7 +846,9 @@ def _linear_bwd(e: torch.Tensor, xc: torch.Tensor, xs: torch.Tensor, xm: torch.T
 
 def _linear_bwd_impl(e, xc, xs, xm, xg, wc, ws, wm, wg, recipe, x_dtype, w_dtype):
     """dX = E Q(W) and dW = E^T Q(X), both GEMMs on FP4 operands. Fresh seeds and Hadamard signs
-    on every call, drawn from torch's default generator (so a checkpointed RNG resumes exactly)."""
+    on every call: with the kernels, one seed drawn on the GPU (torch's CUDA generator; the
+    kernels read it and derive the signs: no host sync, and CUDA-graph replays stay random),
+    else from torch's CPU generator. Checkpoints hold both generators' states."""
     r = RECIPES[recipe]
     (m, n), k = e.shape, xc.shape[1] * 2
     qx = _unflat(xc, xs, xm, xg, r["fmt"], (m, k))
