@@ -684,6 +684,14 @@ def _capability(index):  # asked on every GEMM: cached per device (a properties 
     return torch.cuda.get_device_capability(index)
 
 
+_MX_ROWS_CTAS_PER_SM = 3  # kernels.cu's FP4_MX_MINB: quant_rows' MXFP4 CTAs resident on an SM
+
+
+@functools.cache
+def _sm_count(index):  # the quantize kernels size their grid to one resident wave
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _dequantize_lead(q, dtype=torch.float32):
     """Dequantized values in the QTensor's layout (quantized axis last)."""
     return dequantize(q, dtype).movedim(q.axis, -1)
@@ -1183,6 +1191,8 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
             raise ValueError(f"tensor too large for the quantize kernel ({r} x {k})")
         if g_size == 8:  # warp-cooperative MXFP4: 8 elements a thread, 4 chunks in flight, one trip
             grid, block = (-(-n // (256 * 4)),), (256,)
+        elif not nv and g_size == 32:  # mx_rows: one resident wave, each thread loops over groups
+            grid, block = (min(-(-n // 256), _MX_ROWS_CTAS_PER_SM * _sm_count(dev.index)),), (256,)
         else:
             grid, block = (min(-(-n // 256), 1 << 20),), (256,)
         head = (_ptr(src), np.uint32(r), np.uint32(k))

@@ -78,10 +78,9 @@ __device__ __forceinline__ float uniform_at(u32 key, u32 lo) {  // fp4.uniform, 
   return __uint2float_rn(lowbias32(lo ^ key) >> 8) * 5.9604644775390625e-08f;  // * 2^-24, exact
 }
 
-__device__ __forceinline__ float exp2i(int n) {  // 2^n as FP32, n in [-149, 127]; 0 below
-  if (n >= -126) return __uint_as_float((u32)(n + 127) << 23);
-  if (n >= -149) return __uint_as_float(1u << (n + 149));
-  return 0.0f;
+__device__ __forceinline__ float exp2i(int n) {  // 2^n as FP32, n in [-149, 127]; 0 below (selects, no branch)
+  const u32 sub = n >= -149 ? 1u << ((n + 149) & 31) : 0u;
+  return __uint_as_float(n >= -126 ? (u32)(n + 127) << 23 : sub);
 }
 
 __device__ __forceinline__ float absmax_nan(float m, float v) {  // max(m, |v|), NaN propagates
@@ -219,17 +218,14 @@ __device__ __forceinline__ u32 e4m3_enc_signed(float y) {
 }
 
 // Halving-tree sum of n values (element j added to j + n/2, then the first half the same way).
+// The halving loop is a compile-time recursion: as a plain loop nvcc kept it rolled, with
+// predicated moves through the array.
 template <int N>
 __device__ __forceinline__ float tree_sum(const float* v) {
   float t[N / 2];
 #pragma unroll
   for (int j = 0; j < N / 2; j++) t[j] = __fadd_rn(v[j], v[j + N / 2]);
-#pragma unroll
-  for (int n = N / 2; n > 1; n >>= 1) {
-#pragma unroll
-    for (int j = 0; j < n / 2; j++) t[j] = __fadd_rn(t[j], t[j + n / 2]);
-  }
-  return t[0];
+  return tree_sum<N / 2>(t);
 }
 
 template <>
@@ -267,29 +263,44 @@ __device__ __forceinline__ void load_signs(QParams& p, int has_signs, u32 s0, u3
   p.sw[0] = w0; p.sw[1] = w1; p.sw[2] = w2; p.sw[3] = w3;
 }
 
-template <int G>
-__device__ __forceinline__ void rotate(float (&x)[G], const QParams& p) {
-  if (p.H == 0) return;
-  if (p.has_signs) {
+// The signs and the Hadamard of size H (a compile-time constant: the stages are straight-line code;
+// a runtime H compiled into predicated moves around every stage) on each H-block of the group.
+template <int G, int H, bool SG = true>  // SG = false: no signs (p.has_signs is 0)
+__device__ __forceinline__ void rotate_h(float (&x)[G], const QParams& p) {
+  if (SG && p.has_signs) {
+    constexpr int C = G < 32 ? G : 32;  // elements a sign word covers (G = 16: one half word)
 #pragma unroll
-    for (int i = 0; i < G; i++)
-      x[i] = __uint_as_float(__float_as_uint(x[i]) ^ ((p.sw[(i / 32) & 3] << (31 - (i & 31))) & 0x80000000u));
+    for (int c = 0; c < G / C; c++) {
+      u32 w = p.sw[c & 3];
+#ifndef FP4_HOST_EMU
+      asm volatile("mov.b32 %0, %0;" : "+r"(w));  // per group: 32 hoisted sign masks would spill
+#endif
+#pragma unroll
+      for (int i = 0; i < C; i++)
+        x[C * c + i] = __uint_as_float(__float_as_uint(x[C * c + i]) ^ ((w << (31 - i)) & 0x80000000u));
+    }
   }
 #pragma unroll
-  for (int h = 1; h < G; h <<= 1) {
-    if (h < p.H) {
+  for (int h = 1; h < H; h <<= 1) {
 #pragma unroll
-      for (int i = 0; i < G; i++) {
-        if (!(i & h)) {
-          float a = x[i], b = x[i + h];
-          x[i] = __fadd_rn(a, b);
-          x[i + h] = __fsub_rn(a, b);
-        }
+    for (int i = 0; i < G; i++) {
+      if (!(i & h)) {
+        float a = x[i], b = x[i + h];
+        x[i] = __fadd_rn(a, b);
+        x[i + h] = __fsub_rn(a, b);
       }
     }
   }
 #pragma unroll
   for (int i = 0; i < G; i++) x[i] = __fmul_rn(x[i], p.hs);
+}
+
+template <int G>
+__device__ __forceinline__ void rotate(float (&x)[G], const QParams& p) {  // p.H: 0, 16, ..., G
+  if constexpr (G % 16 == 0) { if (p.H == 16) return rotate_h<G, 16>(x, p); }
+  if constexpr (G % 32 == 0) { if (p.H == 32) return rotate_h<G, 32>(x, p); }
+  if constexpr (G % 64 == 0) { if (p.H == 64) return rotate_h<G, 64>(x, p); }
+  if constexpr (G % 128 == 0) { if (p.H == 128) return rotate_h<G, 128>(x, p); }
 }
 
 template <int N>
@@ -301,10 +312,22 @@ __device__ __forceinline__ u32 block_amax_bits(const float* x) {  // max |x| bit
 }
 
 __device__ __forceinline__ int absmax_exponent(float amax) {  // fp4._absmax_exponent
+  const u32 bits = __float_as_uint(amax);
+  if (bits - 0x00800000u < 0x7F000000u)  // normal: amax = 1.f 2^(b-127), frexp's E = b - 126
+    return (int)(bits >> 23) - ((bits & 0x7FFFFFu) <= 0x400000u ? 129 : 128);  // m = 1.f / 2 <= 0.75
   if (amax == 0.0f) return -127;
   int E;
   float m = frexpf(amax, &E);
   return m <= 0.75f ? E - 3 : E - 2;
+}
+
+__device__ __forceinline__ int quest_exponent(float sigma) {  // floor(log2(0.487079 sigma)), sigma > 0 finite
+  const float s = __fmul_rn(sigma, 0.487079f);
+  const u32 bits = __float_as_uint(s);
+  if (bits >= 0x00800000u) return (int)(bits >> 23) - 127;  // normal (s < 2^127: sigma finite)
+  int E;
+  frexpf(s, &E);
+  return E - 1;
 }
 
 template <int N>
@@ -320,12 +343,26 @@ __device__ __forceinline__ void store_bytes(u8* dst, const u32* w) {  // N bytes
   }
 }
 
-// MXFP4 (SPEC 2-3): scale 2^e per 32-block, E8M0 bits e + 127.
+// Round to nearest with the block scale folded into the encoder: e2m1_rn_f(x * 2^-e) / 2 from |x|.
+// v = x * 2^-e is exact unless subnormal (then its code is 0 both ways), so fma(|x|, 2^-e, 2^22)
+// = RN(v + 2^22) = RN(2v + 2^23) / 2 and likewise for the other two pieces: returns 2^22 + code/2
+// (bits E2M1_RN_BASE2 + code; 4.0 more is the sign). i1, i2, i4 = 2^-e, 2^-e/2, 2^-e/4 (exact: e
+// in [-127, 127], subnormals kept).
+#define E2M1_RN_BASE2 0x4A800000u  // bits of 2^22
+__device__ __forceinline__ float e2m1_rn_scaled(float x, float i1, float i2, float i4) {
+  float a = fabsf(x);
+  float y1 = __fmaf_rn(a, i1, 4194304.0f);
+  float y2 = __fmaf_rn(a, i2, 4194305.0f);
+  float y3 = __fmaf_rn(a, i4, 4194306.0f);
+  return fminf(fminf(y1, y2), fminf(y3, 4194307.5f));
+}
+
+// MXFP4 (SPEC 2-3): scale 2^e per 32-block, E8M0 bits e + 127. base: the index of x[0] in the
+// output (row * Kout + column; codes, scales, mask and the SR counter all follow from it).
 // cw_out / e_out (G == 32, quant_rows_fold): the block's code words and its exponent (-128: NaN).
 template <int G, int RULE, int RND>
-__device__ __forceinline__ void quant_group_mx(float (&x)[G], const QParams& p, u32 orow, u32 ocol,
+__device__ __forceinline__ void quant_group_mx(float (&x)[G], const QParams& p, u64 base,
                                                u32* cw_out = nullptr, int* e_out = nullptr) {
-  const u64 base = (u64)orow * p.Kout + ocol;
   const u32 key = (base >> 32) ? hash_key(p.seed, (u32)(base >> 32)) : p.key0;
   u32 cw[G / 8];
   u32 mw[G / 32];
@@ -346,10 +383,8 @@ __device__ __forceinline__ void quant_group_mx(float (&x)[G], const QParams& p, 
       var = var < 0.0f ? 0.0f : var;
       sigma = __fsqrt_rn(var);
       if (sigma > 0.0f) {
-        int E;
-        frexpf(__fmul_rn(sigma, 0.487079f), &E);
-        e = E - 1;
         need_amax = !(sigma <= 3.402823466e+38f);  // finite sigma: no NaN/Inf in the block
+        e = need_amax ? -1 : quest_exponent(sigma);  // sigma = Inf (squares overflow): frexp's E = 0
       }
     }
     if (need_amax) {  // absmax rule, or QuEST's fallback / non-finite check
@@ -359,25 +394,38 @@ __device__ __forceinline__ void quant_group_mx(float (&x)[G], const QParams& p, 
     }
     e = bad ? 0 : max(-127, min(127, e));
     const float inv = exp2i(-e);  // x / 2^e == x * 2^-e exactly (both one rounding of one real)
-    u32 m = 0;
+    // clip mask |v| <= 6, i.e. |x| <= 6 2^e: bit i is the inverted sign of 6 2^e - |x_i|, shifted in
+    // from the top element down (6 2^127 overflows to Inf: every finite |x| passes)
+    const float t6 = __fmul_rn(6.0f, exp2i(e));
+    u32 m = 0, w[4] = {0u, 0u, 0u, 0u};
+    if constexpr (RND == ROUND_RN) {
+      // v = x * 2^-e < 0 (the reference's sign test) iff x < -2^(e - 150): above that v rounds to -0
+      const float neg = -exp2i(e > 0 ? e - 150 : -150);
+      const float i2 = __fmul_rn(inv, 0.5f), i4 = __fmul_rn(inv, 0.25f);
 #pragma unroll
-    for (int j = 0; j < 32; j += 8) {
-      u32 w = 0;
-      const u32 z = RND == ROUND_SR ? sr_z8(key, (u32)base + 32 * b + j) : 0u;
-#pragma unroll
-      for (int i = 0; i < 8; i++) {
-        float v = __fmul_rn(xb[j + i], inv);
-        float r;
-        if constexpr (RND == ROUND_SR) r = e2m1_sr_f<RULE != RULE_ABSMAX>(v, sr_negu(z, i));
-        else r = e2m1_rn_f<RULE != RULE_ABSMAX>(v);
-        w += __float_as_uint(with_sign8(r, v)) << (4 * i);
-        if (RULE == RULE_QUEST && !(fabsf(v) > 6.0f)) m |= 1u << (j + i);
+      for (int i = 31; i >= 0; i--) {
+        float r = e2m1_rn_scaled(xb[i], inv, i2, i4);
+        r = __fmaf_rn(xb[i] < neg ? 1.0f : 0.0f, 4.0f, r);
+        w[i / 8] += __float_as_uint(r) << (4 * (i % 8));
+        if (RULE == RULE_QUEST) m = __funnelshift_l(__float_as_uint(__fsub_rn(t6, fabsf(xb[i]))), m, 1);
       }
-      w -= nibble_base(RND == ROUND_SR ? E2M1_SR_BASE : E2M1_RN_BASE);
-      cw[(32 * b + j) / 8] = bad ? 0u : w;
+#pragma unroll
+      for (int j = 0; j < 4; j++) cw[4 * b + j] = bad ? 0u : w[j] - nibble_base(E2M1_RN_BASE2);
+    } else {
+#pragma unroll
+      for (int i = 31; i >= 0; i--) {
+        const u32 z = sr_z8(key, (u32)base + 32 * b + (i & ~7));
+        float v = __fmul_rn(xb[i], inv);
+        float r = e2m1_sr_f<RULE != RULE_ABSMAX>(v, sr_negu(z, i & 7));
+        w[i / 8] += __float_as_uint(with_sign8(r, v)) << (4 * (i % 8));
+        if (RULE == RULE_QUEST) m = __funnelshift_l(__float_as_uint(__fsub_rn(t6, fabsf(xb[i]))), m, 1);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; j++) cw[4 * b + j] = bad ? 0u : w[j] - nibble_base(E2M1_SR_BASE);
     }
+    m = ~m;
     mw[b] = bad ? 0u : m;
-    p.scales[(u64)orow * (p.Kout / 32) + ocol / 32 + b] = bad ? (u8)0xFF : (u8)(e + 127);
+    p.scales[base / 32 + b] = bad ? (u8)0xFF : (u8)(e + 127);
     if (e_out) *e_out = bad ? -128 : e;
   }
   if (cw_out) {
@@ -497,7 +545,7 @@ template <int G, bool NV, int RULE, int RND>
 __device__ __forceinline__ void quant_group(float (&x)[G], const QParams& p, u32 orow, u32 ocol) {
   rotate<G>(x, p);
   if constexpr (NV) quant_group_nv<G, RULE, RND>(x, p, orow, ocol);
-  else quant_group_mx<G, RULE, RND>(x, p, orow, ocol);
+  else quant_group_mx<G, RULE, RND>(x, p, (u64)orow * p.Kout + ocol);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -596,10 +644,8 @@ __device__ __forceinline__ void mx_chunk(float (&x)[8], const MxArgs& a, u32 q, 
     var = var < 0.0f ? 0.0f : var;
     sigma = __fsqrt_rn(var);
     if (sigma > 0.0f) {
-      int E;
-      frexpf(__fmul_rn(sigma, 0.487079f), &E);
-      e = E - 1;
       need_amax = !(sigma <= 3.402823466e+38f);
+      e = need_amax ? -1 : quest_exponent(sigma);
     }
   }
   {  // block amax (unconditional: shuffles stay in converged code)
@@ -729,10 +775,61 @@ __device__ __forceinline__ void device_rng(const u32* dseed, int& has_signs, u32
 // ---------------------------------------------------------------------------------------------
 // quant_rows: quantize along the last dim of a row-major (R, K) tensor. One thread per G-group.
 
+// mx_rows: prefetch the next group (16-bit input), and the CTAs an SM its register budget allows
+// (3: up to 85 registers; fp4._MX_ROWS_CTAS_PER_SM sizes the grid to match).
+#ifndef FP4_MX_PREFETCH
+#define FP4_MX_PREFETCH 1
+#endif
+#ifndef FP4_MX_MINB
+#define FP4_MX_MINB 3
+#endif
+
+// quant_rows' MXFP4 one-thread-a-block loop for a fixed Hadamard size HH and signs flag SG. Group
+// gi covers input (and output) elements 32 gi .. 32 gi + 31: rows are contiguous, so no division.
+// The grid is about one wave (fp4._quant_launch): each thread loops over many groups, so the setup
+// (signs, seeds) is paid once.
+template <int SRC, int RULE, int RND, int HH, bool SG>
+__device__ __forceinline__ void mx_rows(const void* __restrict__ x, const QParams& p, u32 n) {
+  const u32 stride = gridDim.x * blockDim.x;
+  u32 gi = blockIdx.x * blockDim.x + threadIdx.x;
+#if FP4_MX_PREFETCH
+  if constexpr (SRC != 0) {  // 16-bit input: the next group's 64 bytes load while this one computes
+    const uint4* src = reinterpret_cast<const uint4*>(x);
+    uint4 next[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) next[k] = gi < n ? __ldg(src + (u64)gi * 4 + k) : make_uint4(0, 0, 0, 0);
+    for (; gi < n; gi += stride) {
+      float v[32];
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        const u32 w4[4] = {next[k].x, next[k].y, next[k].z, next[k].w};
+#pragma unroll
+        for (int t = 0; t < 4; t++) {
+          if constexpr (SRC == 1) bf16x2_to_f32(w4[t], v[8 * k + 2 * t], v[8 * k + 2 * t + 1]);
+          else f16x2_to_f32(w4[t], v[8 * k + 2 * t], v[8 * k + 2 * t + 1]);
+        }
+      }
+      const u32 gn = gi + stride;
+#pragma unroll
+      for (int k = 0; k < 4; k++) if (gn < n) next[k] = __ldg(src + (u64)gn * 4 + k);
+      if constexpr (HH > 0) rotate_h<32, HH, SG>(v, p);
+      quant_group_mx<32, RULE, RND>(v, p, (u64)gi * 32);
+    }
+    return;
+  }
+#endif
+  for (; gi < n; gi += stride) {
+    float v[32];
+    load_dense<SRC, 32>(v, x, (u64)gi * 32);
+    if constexpr (HH > 0) rotate_h<32, HH, SG>(v, p);
+    quant_group_mx<32, RULE, RND>(v, p, (u64)gi * 32);
+  }
+}
+
 // MXFP4 (G = 32 and G = 8) asks for 4 CTAs an SM: 64 registers, no spills (G = 32 was 80-95
 // registers: 2 CTAs, 16 warps).
 template <int SRC, int G, bool NV, int RULE, int RND>
-__global__ void __launch_bounds__(256, (!NV && (G == 32 || G == 8)) ? 4 : 1) quant_rows(
+__global__ void __launch_bounds__(256, (!NV && G == 32) ? FP4_MX_MINB : (!NV && G == 8) ? 4 : 1) quant_rows(
     const void* __restrict__ x, u32 R, u32 K, int H, float hs, int has_signs, u32 s0, u32 s1, u32 s2, u32 s3,
     u32 seed, u32 key0, const u32* __restrict__ dseed, int pass, u8* __restrict__ codes, u8* __restrict__ scales,
     u8* __restrict__ mask, const float* __restrict__ g, u32* __restrict__ amax, u32* __restrict__ tiles) {
@@ -784,13 +881,31 @@ __global__ void __launch_bounds__(256, (!NV && (G == 32 || G == 8)) ? 4 : 1) qua
     p.codes = codes; p.scales = scales; p.mask = mask; p.g = g; p.amax = amax; p.tiles = tiles;
     p.Kout = K;
     load_signs(p, has_signs, s0, s1, s2, s3);
-    const u32 gpr = K / G;
-    const u32 n = R * gpr;  // host checks R * K / G < 2^32
-    for (u32 gi = blockIdx.x * blockDim.x + threadIdx.x; gi < n; gi += gridDim.x * blockDim.x) {
-      u32 row = gi / gpr, col = (gi - row * gpr) * G;
-      float v[G];
-      load_dense<SRC, G>(v, x, (u64)row * K + col);
-      quant_group<G, NV, RULE, RND>(v, p, row, col);
+    const u32 n = R * (K / G);  // host checks R * K / G < 2^32
+    if constexpr (NV) {
+      for (u32 gi = blockIdx.x * blockDim.x + threadIdx.x; gi < n; gi += gridDim.x * blockDim.x) {
+        float v[G];
+        u32 row = gi / (K / G), col = (gi - row * (K / G)) * G;
+        load_dense<SRC, G>(v, x, (u64)row * K + col);
+        quant_group<G, NV, RULE, RND>(v, p, row, col);
+      }
+    } else if constexpr (G == 32) {  // one loop per (Hadamard size, signs): straight-line bodies
+      if (H == 32) {
+        if (p.has_signs) mx_rows<SRC, RULE, RND, 32, true>(x, p, n);
+        else mx_rows<SRC, RULE, RND, 32, false>(x, p, n);
+      } else if (H == 16) {
+        if (p.has_signs) mx_rows<SRC, RULE, RND, 16, true>(x, p, n);
+        else mx_rows<SRC, RULE, RND, 16, false>(x, p, n);
+      } else {
+        mx_rows<SRC, RULE, RND, 0, false>(x, p, n);
+      }
+    } else {  // MXFP4 with a larger Hadamard (64, 128): G = H
+      for (u32 gi = blockIdx.x * blockDim.x + threadIdx.x; gi < n; gi += gridDim.x * blockDim.x) {
+        float v[G];
+        load_dense<SRC, G>(v, x, (u64)gi * G);
+        rotate<G>(v, p);
+        quant_group_mx<G, RULE, RND>(v, p, (u64)gi * G);
+      }
     }
   }
 }
@@ -977,8 +1092,14 @@ __global__ void __launch_bounds__(1024) quant_rows_fold(
   if (active) {
     float v[32];
     load_dense<SRC, 32>(v, x, (u64)row * K + tx * 32);
-    rotate<32>(v, p);
-    quant_group_mx<32, RULE, RND>(v, p, row, tx * 32, cw, &e);
+    if (H == 32) {  // the Hadamard as straight-line code per (size, signs), as in mx_rows
+      if (p.has_signs) rotate_h<32, 32, true>(v, p);
+      else rotate_h<32, 32, false>(v, p);
+    } else if (H == 16) {
+      if (p.has_signs) rotate_h<32, 16, true>(v, p);
+      else rotate_h<32, 16, false>(v, p);
+    }
+    quant_group_mx<32, RULE, RND>(v, p, (u64)row * K + tx * 32, cw, &e);
   }
   int em = (active && e != -128) ? e : -127, nan = active && e == -128;
   em = __reduce_max_sync(0xFFFFFFFFu, em);  // a warp never spans two rows (blockDim.x % 32 == 0)

@@ -413,6 +413,9 @@ static inline float __uint2float_rn(unsigned u) { return (float)u; }
 static inline float __fadd_ru(float a, float b) { fesetround(FE_UPWARD); volatile float r = a + b; fesetround(FE_TONEAREST); return r; }
 static inline float __fadd_rd(float a, float b) { fesetround(FE_DOWNWARD); volatile float r = a + b; fesetround(FE_TONEAREST); return r; }
 static inline float __fmaf_ru(float a, float b, float c) { fesetround(FE_UPWARD); volatile float r = __builtin_fmaf(a, b, c); fesetround(FE_TONEAREST); return r; }
+static inline unsigned __funnelshift_l(unsigned lo, unsigned hi, unsigned s) {
+  return (unsigned)(((((unsigned long long)hi << 32) | lo) << (s & 31)) >> 32);
+}
 
 struct uint2 { unsigned x, y; };
 struct uint4 { unsigned x, y, z, w; };
@@ -534,6 +537,7 @@ def _emu_input(shape, dtype, seed):
     flat[:32] = 0.0
     if flat.numel() >= 256:
         flat[64:96] = 0.75  # constant block: QuEST's sigma == 0
+        flat[96:128] = torch.tensor([1e20, -1e20] * 16)  # finite, squares overflow: sigma == Inf
         flat[128:160] = -0.0
         flat[160:192] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4)  # E2M1 ties
         flat[192:224] = 1e30
