@@ -685,6 +685,7 @@ def _capability(index):  # asked on every GEMM: cached per device (a properties 
 
 
 _MX_ROWS_CTAS_PER_SM = 3  # kernels.cu's FP4_MX_MINB: quant_rows' MXFP4 CTAs resident on an SM
+_COLS_CTAS_PER_SM = 8  # quant_cols' launch bounds for G = 32 (128 threads, 64 registers)
 
 
 @functools.cache
@@ -1197,9 +1198,13 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
             grid, block = (min(-(-n // 256), 1 << 20),), (256,)
         head = (_ptr(src), np.uint32(r), np.uint32(k))
     else:
-        if -(-r // _TILE_R) > 65535:
-            raise ValueError(f"quantized dim {r} too large for the transposing kernel")
-        grid, block = (-(-k // 32), -(-r // _TILE_R)), (32 * _TILE_R // g_size,)
+        ntiles = -(-k // 32) * -(-r // _TILE_R)
+        if ntiles >= 1 << 31:
+            raise ValueError(f"tensor too large for the transposing kernel ({r} x {k})")
+        # G = 32: one resident wave looping over the tiles; else (NVFP4, wide Hadamards: few threads
+        # a CTA, registers decide the residency) one CTA a tile
+        ctas = min(ntiles, _COLS_CTAS_PER_SM * _sm_count(dev.index)) if g_size == 32 else ntiles
+        grid, block = (ctas,), (32 * _TILE_R // g_size,)
         head = (_ptr(src), _ptr(None if qin is None else qin.scales),
                 _ptr(None if qin is None else qin.tensor_scale), np.uint32(r), np.uint32(k))
     hs = np.float32(_hadamard_scale(hadamard) if hadamard else 0.0)

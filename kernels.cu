@@ -21,10 +21,16 @@
 //       Hadamard strides 8 and 16 and the block reductions through __shfl_xor_sync, 4 chunks in
 //       flight a thread; fp4._quant_launch sizes its grid as R * K / 8 / 4 threads. Which of G = 8
 //       and G = 32 runs is fp4._mx_rows_layout's choice (FP4_MX_ROWS=quad|group overrides).
+//       G == 32 MXFP4 (the default, mx_rows): one thread a 32-block, one resident wave of CTAs
+//       looping over the blocks with the next block's load in flight, a loop per (Hadamard size,
+//       signs) so the butterfly is straight-line code; round to nearest takes the block scale in
+//       its FMAs (e2m1_rn_scaled) and the clip mask is shifted in by funnel shifts.
 //   quant_cols<SRC, G, NV>  The same quantizer along the FIRST axis of a row-major (R, K) input,
-//       through a 128 x 32 shared-memory tile (no materialised transpose). Output layout (K, R/2).
-//       SRC 3/4 dequantize a QTensor's codes on the way in: that is fp4.requantize (dequantize,
-//       transpose, random Hadamard, absmax/SR or any other option, pack) in one pass.
+//       through 128 x 32 shared-memory tiles (no materialised transpose). Output layout (K, R/2).
+//       SRC 3/4 dequantize a QTensor's codes on the way in (PRMT table to FP16, e2m1x8_to_f16):
+//       that is fp4.requantize (dequantize, transpose, random Hadamard, absmax/SR or any other
+//       option, pack) in one pass. The random signs multiply whole row chunks as the tile loads
+//       (one sign a row of the tile). G == 32: a resident wave of CTAs loops over the tiles.
 //       Called by fp4._kernel_quantize (2-D, axis 0) and fp4._kernel_requantize.
 //   fold_mx                 fp4.fold_mx: MXFP4 codes + E8M0 -> float8_e4m3fn elements
 //       code * 2^(e_block - e_rowmax) and FP32 row scales 2^e_rowmax; one warp per row.
@@ -792,8 +798,7 @@ template <int SRC, int RULE, int RND, int HH, bool SG>
 __device__ __forceinline__ void mx_rows(const void* __restrict__ x, const QParams& p, u32 n) {
   const u32 stride = gridDim.x * blockDim.x;
   u32 gi = blockIdx.x * blockDim.x + threadIdx.x;
-#if FP4_MX_PREFETCH
-  if constexpr (SRC != 0) {  // 16-bit input: the next group's 64 bytes load while this one computes
+  if constexpr (FP4_MX_PREFETCH && SRC != 0) {  // 16-bit input: the next group's 64 bytes load while this one computes
     const uint4* src = reinterpret_cast<const uint4*>(x);
     uint4 next[4];
 #pragma unroll
@@ -815,14 +820,13 @@ __device__ __forceinline__ void mx_rows(const void* __restrict__ x, const QParam
       if constexpr (HH > 0) rotate_h<32, HH, SG>(v, p);
       quant_group_mx<32, RULE, RND>(v, p, (u64)gi * 32);
     }
-    return;
-  }
-#endif
-  for (; gi < n; gi += stride) {
-    float v[32];
-    load_dense<SRC, 32>(v, x, (u64)gi * 32);
-    if constexpr (HH > 0) rotate_h<32, HH, SG>(v, p);
-    quant_group_mx<32, RULE, RND>(v, p, (u64)gi * 32);
+  } else {
+    for (; gi < n; gi += stride) {
+      float v[32];
+      load_dense<SRC, 32>(v, x, (u64)gi * 32);
+      if constexpr (HH > 0) rotate_h<32, HH, SG>(v, p);
+      quant_group_mx<32, RULE, RND>(v, p, (u64)gi * 32);
+    }
   }
 }
 
@@ -919,9 +923,44 @@ __global__ void __launch_bounds__(256, (!NV && G == 32) ? FP4_MX_MINB : (!NV && 
 #define TILE_C 32
 #define TILE_LD 36  // padded row (floats): 16-byte aligned rows for vector stores
 
-template <int SRC>
+// Sign (bit 31) of tile row rr's element of its G-group: the random Hadamard's +-1, applied while
+// loading (one sign covers a row's whole chunk), so the rotation itself runs without signs.
+struct RowSigns {  // the sign words by value (a pointer into QParams would put it in local memory)
+  u32 w[4];
+  bool on;
+};
+template <int G>
+__device__ __forceinline__ u32 row_sign(const RowSigns& s, u32 rr) {
+  u32 w = s.w[0];
+  if constexpr (G > 32) {
+    const u32 k = (rr % G) >> 5;
+    w = k == 0 ? s.w[0] : (k == 1 ? s.w[1] : (k == 2 ? s.w[2] : s.w[3]));
+  }
+  return s.on ? ((w >> (rr & 31)) & 1u) << 31 : 0u;
+}
+
+// E2M1 codes (8 nibbles of w) -> FP16 bits, two a word (h[0] = codes 0, 1; ... h[3] = codes 6, 7):
+// the magnitude's FP16 high byte from an 8-entry PRMT table, the sign gathered from the nibbles'
+// bit 3, the low byte 0 (E2M1 values are FP16 with a 2-bit significand, exactly).
+#define F16HI_LO 0x3E3C3800u  // FP16 high bytes of 0, 0.5, 1, 1.5
+#define F16HI_HI 0x46444240u  // ... of 2, 3, 4, 6
+__device__ __forceinline__ void e2m1x8_to_f16(u32 w, u32* h) {
+  const u32 w4 = w << 4;  // bit 3 of nibble 2k moved to the top of byte k of w4; nibble 2k+1's is there in w
+#pragma unroll
+  for (int half = 0; half < 2; half++) {
+    const u32 ww = w >> (16 * half), ww4 = w4 >> (16 * half);
+    const u32 mag = __byte_perm(F16HI_LO, F16HI_HI, ww & 0x7777u);           // byte k: |code k| high byte
+    const u32 sgn = __byte_perm(ww, ww4, 0x1504u) & 0x80808080u;              // byte k: sign of code k
+    const u32 hb = mag | sgn;
+    h[2 * half] = __byte_perm(hb, 0u, 0x1404u);      // (code 4 half, code 4 half + 1)
+    h[2 * half + 1] = __byte_perm(hb, 0u, 0x3424u);  // (code 4 half + 2, code 4 half + 3)
+  }
+}
+
+template <int SRC, int G>
 __device__ __forceinline__ void load_tile(float* tile, const void* __restrict__ x, const u8* __restrict__ in_scales,
-                                          const float* __restrict__ gin, u32 R, u32 K, u32 r0, u32 c0) {
+                                          const float* __restrict__ gin, u32 R, u32 K, u32 r0, u32 c0,
+                                          const RowSigns& sw) {
   const int nt = blockDim.x;
   if constexpr (SRC <= 2) {
     constexpr int VEC = SRC == 0 ? 4 : 8;
@@ -936,6 +975,9 @@ __device__ __forceinline__ void load_tile(float* tile, const void* __restrict__ 
 #pragma unroll
           for (int i = 0; i < VEC; i++) v[i] = 0.0f;
         }
+        const u32 sg = row_sign<G>(sw, rr);
+#pragma unroll
+        for (int i = 0; i < VEC; i++) v[i] = __uint_as_float(__float_as_uint(v[i]) ^ sg);
 #pragma unroll
         for (int i = 0; i < VEC; i += 4)
           *reinterpret_cast<float4*>(tile + rr * TILE_LD + cc + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
@@ -943,7 +985,8 @@ __device__ __forceinline__ void load_tile(float* tile, const void* __restrict__ 
     } else {
       for (int e = threadIdx.x; e < TILE_R * TILE_C; e += nt) {
         int rr = e / TILE_C, cc = e % TILE_C;
-        tile[rr * TILE_LD + cc] = (r0 + rr < R && c0 + cc < K) ? load_one<SRC>(x, (u64)(r0 + rr) * K + c0 + cc) : 0.0f;
+        float v = (r0 + rr < R && c0 + cc < K) ? load_one<SRC>(x, (u64)(r0 + rr) * K + c0 + cc) : 0.0f;
+        tile[rr * TILE_LD + cc] = __uint_as_float(__float_as_uint(v) ^ row_sign<G>(sw, rr));
       }
     }
   } else {  // 16 codes (8 bytes) a chunk; K % 16 == 0, so a chunk is all in or all out
@@ -962,10 +1005,14 @@ __device__ __forceinline__ void load_tile(float* tile, const void* __restrict__ 
           s = e4m3_dec(__ldg(in_scales + (u64)r * (K / 16) + c / 16));
           g2 = *gin;
         }
+        s = __uint_as_float(__float_as_uint(s) ^ row_sign<G>(sw, rr));  // (code * -s) == -(code * s)
+        u32 h[8];
+        e2m1x8_to_f16(w.x, h);
+        e2m1x8_to_f16(w.y, h + 4);
 #pragma unroll
         for (int i = 0; i < 16; i++) {
-          u32 cd = ((i < 8 ? w.x : w.y) >> (4 * (i & 7))) & 15u;
-          float d = __fmul_rn(e2m1_dec(cd), s);  // mxfp4: code * 2^e; nvfp4: (code * s) * g
+          const float q = __half2float(__ushort_as_half((unsigned short)(h[i / 2] >> (16 * (i & 1)))));
+          float d = __fmul_rn(q, s);  // mxfp4: code * 2^e; nvfp4: (code * s) * g
           if constexpr (SRC == 4) d = __fmul_rn(d, g2);
           v[i] = d;
         }
@@ -980,8 +1027,37 @@ __device__ __forceinline__ void load_tile(float* tile, const void* __restrict__ 
   }
 }
 
+// One CTA loops over 128 x 32 tiles (t = column tile fastest); HH = G: the Hadamard as straight-line
+// code (the usual case: the group is the Hadamard block), HH = 0: any H through rotate's dispatch.
+template <int SRC, int G, bool NV, int RULE, int RND, int HH>
+__device__ __forceinline__ void cols_loop(float* tile, const void* __restrict__ x, const u8* __restrict__ in_scales,
+                                          const float* __restrict__ gin, u32 R, u32 K, const QParams& p,
+                                          const RowSigns& sw) {
+  const u32 tiles_c = (K + TILE_C - 1) / TILE_C;
+  const u32 ntiles = tiles_c * ((R + TILE_R - 1) / TILE_R);  // host checks < 2^32
+  const u32 lane = threadIdx.x & 31, grp = threadIdx.x >> 5;  // blockDim = 32 * TILE_R / G
+  for (u32 t = blockIdx.x; t < ntiles; t += gridDim.x) {
+    const u32 c0 = (t % tiles_c) * TILE_C, r0 = (t / tiles_c) * TILE_R;
+    __syncthreads();  // the previous tile is read
+    load_tile<SRC, G>(tile, x, in_scales, gin, R, K, r0, c0, sw);
+    __syncthreads();
+    const u32 col = c0 + lane, r = r0 + grp * G;
+    if (col < K && r < R) {
+      float v[G];
+#pragma unroll
+      for (int j = 0; j < G; j++) v[j] = tile[(grp * G + j) * TILE_LD + lane];
+      if constexpr (HH == G) rotate_h<G, G, false>(v, p);
+      else rotate<G>(v, p);
+      if constexpr (NV) quant_group_nv<G, RULE, RND>(v, p, col, r);
+      else quant_group_mx<G, RULE, RND>(v, p, (u64)col * R + r);
+    }
+  }
+}
+
+// The grid is about one wave of CTAs (fp4._quant_launch), each looping over tiles: the setup
+// (seeds, signs) is paid once a CTA. G = 32 (MXFP4) asks for 8 CTAs an SM (64 registers).
 template <int SRC, int G, bool NV, int RULE, int RND>
-__global__ void __launch_bounds__(256) quant_cols(
+__global__ void __launch_bounds__(32 * TILE_R / G, G == 32 ? 8 : 1) quant_cols(
     const void* __restrict__ x, const u8* __restrict__ in_scales, const float* __restrict__ gin, u32 R, u32 K,
     int H, float hs, int has_signs, u32 s0, u32 s1, u32 s2, u32 s3, u32 seed, u32 key0,
     const u32* __restrict__ dseed, int pass, u8* __restrict__ codes, u8* __restrict__ scales, u8* __restrict__ mask,
@@ -993,16 +1069,10 @@ __global__ void __launch_bounds__(256) quant_cols(
   p.codes = codes; p.scales = scales; p.mask = mask; p.g = g; p.amax = amax; p.tiles = tiles;
   p.Kout = R;  // output layout (K, R): the quantized axis is the input's first
   load_signs(p, has_signs, s0, s1, s2, s3);
-  const u32 c0 = blockIdx.x * TILE_C, r0 = blockIdx.y * TILE_R;
-  load_tile<SRC>(tile, x, in_scales, gin, R, K, r0, c0);
-  __syncthreads();
-  const u32 lane = threadIdx.x & 31, grp = threadIdx.x >> 5;  // blockDim = 32 * TILE_R / G
-  const u32 col = c0 + lane, r = r0 + grp * G;
-  if (col >= K || r >= R) return;
-  float v[G];
-#pragma unroll
-  for (int j = 0; j < G; j++) v[j] = tile[(grp * G + j) * TILE_LD + lane];
-  quant_group<G, NV, RULE, RND>(v, p, col, r);
+  const RowSigns sw = {{p.sw[0], p.sw[1], p.sw[2], p.sw[3]}, p.has_signs != 0};
+  p.has_signs = 0;  // applied by load_tile
+  if (H == G) cols_loop<SRC, G, NV, RULE, RND, G>(tile, x, in_scales, gin, R, K, p, sw);
+  else cols_loop<SRC, G, NV, RULE, RND, 0>(tile, x, in_scales, gin, R, K, p, sw);
 }
 
 // ---------------------------------------------------------------------------------------------
