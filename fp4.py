@@ -1237,7 +1237,9 @@ def _quant_rows_fold(src, r, k, scale_rule, rounding, hadamard, signs, seed):
     has_signs, signw, seed_arg, key0, dseed = _rng_args(signs, seed, dev)
     hs = np.float32(_hadamard_scale(hadamard) if hadamard else 0.0)
     name = f"quant_rows_fold<{_SRC_KIND[src.dtype]}, {_RULE_ID[scale_rule]}, {_ROUND_ID[rounding]}>"
-    _launch(dev, name, (-(-r // rpc),), (tpr, rpc),
+    # about one resident wave (64 registers a thread: 1024 threads an SM), looping over row groups
+    grid = min(-(-r // rpc), max(1, 1024 // (tpr * rpc)) * _sm_count(dev.index))
+    _launch(dev, name, (grid,), (tpr, rpc),
             (_ptr(src), np.uint32(r), np.uint32(k), np.int32(hadamard), hs, np.int32(has_signs),
              *(np.uint32(w) for w in signw), np.uint32(seed_arg), np.uint32(key0), _ptr(dseed),
              _ptr(codes), _ptr(scales), _ptr(mask), _ptr(f8), _ptr(rowscale)))

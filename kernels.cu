@@ -1083,26 +1083,40 @@ __global__ void __launch_bounds__(32 * TILE_R / G, G == 32 ? 8 : 1) quant_cols(
 // E4M3 bits of E2M1 magnitude index m (0..7: 0, .5, 1, 1.5, 2, 3, 4, 6) times 2^0, byte m.
 #define E4M3_OF_E2M1 0x4C4844403C383000ull
 
-// The E4M3 byte of e2m1_dec(c) * 2^d for d <= 0 (fp4.fold_mx's element). For d >= -5 every
-// product is an exact E4M3 normal: the biased exponent of the d = 0 byte drops by -d.
-__device__ __forceinline__ u32 fold_byte(u32 c, int d, float rel) {
-  if (d >= -5) {
-    u32 m = c & 7u;
-    u32 b = m ? (u32)((int)((E4M3_OF_E2M1 >> (8 * m)) & 0xFFu) + 8 * d) : 0u;
-    return b | ((c & 8u) << 4);
-  }
-  return e4m3_enc_signed(__fmul_rn(e2m1_dec(c), rel));  // subnormal, rounded or zero
+// The E4M3 byte of e2m1_dec(c) * 2^d for d < -5 (fp4.fold_mx's element): subnormal, rounded or 0.
+__device__ __forceinline__ u32 fold_byte_small(u32 c, float rel) {
+  return e4m3_enc_signed(__fmul_rn(e2m1_dec(c), rel));
+}
+
+// Four codes (the nibbles of c's low 16 bits) -> four E4M3 bytes of code * 2^d, -5 <= d <= 0, where
+// every product is an exact E4M3 normal: the d = 0 byte from a PRMT table, its biased exponent
+// lowered by -d where the byte is non-zero (sub8 = -8d <= 40 < 0x30, the smallest such byte: no
+// borrow between bytes), and the sign gathered from the nibbles' bit 3 (c4 = c << 4).
+__device__ __forceinline__ u32 fold4(u32 c, u32 c4, u32 sub8) {
+  u32 mag = __byte_perm((u32)E4M3_OF_E2M1, (u32)(E4M3_OF_E2M1 >> 32), c & 0x7777u);
+  const u32 nz = (mag + 0x7F7F7F7Fu) & 0x80808080u;  // bit 7 of each non-zero byte (bytes <= 0x4C)
+  mag -= (nz >> 7) * sub8;
+  return mag | (__byte_perm(c, c4, 0x1504u) & 0x80808080u);
 }
 
 // One 32-block's 16 code bytes (4 words) -> 32 E4M3 bytes at dst (16-byte aligned); d = e - e_rowmax.
 __device__ __forceinline__ void fold_block(uint4* dst, const u32 (&cw)[4], int d) {
-  const float rel = exp2i(d);
   u32 o[8];
+  if (d >= -5) {
+    const u32 sub8 = (u32)(-8 * d);
 #pragma unroll
-  for (int w = 0; w < 8; w++) {
-    u32 c = cw[w / 2] >> (16 * (w & 1));
-    o[w] = fold_byte(c & 15u, d, rel) | (fold_byte((c >> 4) & 15u, d, rel) << 8) |
-           (fold_byte((c >> 8) & 15u, d, rel) << 16) | (fold_byte((c >> 12) & 15u, d, rel) << 24);
+    for (int w = 0; w < 8; w++) {
+      const u32 c = cw[w / 2] >> (16 * (w & 1));
+      o[w] = fold4(c, c << 4, sub8);
+    }
+  } else {
+    const float rel = exp2i(d);
+#pragma unroll
+    for (int w = 0; w < 8; w++) {
+      const u32 c = cw[w / 2] >> (16 * (w & 1));
+      o[w] = fold_byte_small(c & 15u, rel) | (fold_byte_small((c >> 4) & 15u, rel) << 8) |
+             (fold_byte_small((c >> 8) & 15u, rel) << 16) | (fold_byte_small((c >> 12) & 15u, rel) << 24);
+    }
   }
   dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
   dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
@@ -1137,9 +1151,43 @@ __global__ void __launch_bounds__(256) fold_mx(const u8* __restrict__ codes, con
 // ---------------------------------------------------------------------------------------------
 // quant_rows_fold<SRC, RULE, RND>: MXFP4 quant_rows (G = 32) that also emits the Hopper fold, so
 // the fp8 GEMM needs no fold_mx pass. blockDim = (threads a row: K/32 rounded up to a warp
-// multiple, <= 1024; rows a CTA); one thread a 32-block. The row's block-exponent max goes
-// through a warp reduction and a shared atomicMax; codes, scales and mask are written as by
-// quant_rows. Called by fp4._quant_launch (fp4.quantize(..., fold=True) on a GPU).
+// multiple, <= 1024; rows a CTA); one thread a 32-block; the CTAs (about one resident wave, see
+// fp4._quant_rows_fold) loop over row groups. The row's block-exponent max goes through a warp
+// reduction and a shared atomicMax (two buffers, alternating: two barriers an iteration); codes,
+// scales and mask are written as by quant_rows. Called by fp4._quant_launch
+// (fp4.quantize(..., fold=True) on a GPU).
+
+template <int SRC, int RULE, int RND, int HH, bool SG>
+__device__ __forceinline__ void rows_fold_loop(const void* __restrict__ x, u32 R, u32 K, const QParams& p,
+                                               u8* __restrict__ f8, float* __restrict__ rowscale,
+                                               int (&red_e)[2][32], int (&red_nan)[2][32]) {
+  const u32 tx = threadIdx.x, ty = threadIdx.y;
+  u32 buf = 0;
+  for (u32 r0 = blockIdx.x * blockDim.y; r0 < R; r0 += gridDim.x * blockDim.y, buf ^= 1u) {
+    const u32 row = r0 + ty;
+    const bool active = row < R && tx < K / 32;
+    if (tx == 0) { red_e[buf][ty] = -127; red_nan[buf][ty] = 0; }  // its readers of two trips ago are past a barrier
+    u32 cw[4];
+    int e = -127;
+    if (active) {
+      float v[32];
+      load_dense<SRC, 32>(v, x, (u64)row * K + tx * 32);
+      if constexpr (HH > 0) rotate_h<32, HH, SG>(v, p);
+      quant_group_mx<32, RULE, RND>(v, p, (u64)row * K + tx * 32, cw, &e);
+    }
+    int em = (active && e != -128) ? e : -127, nan = active && e == -128;
+    em = __reduce_max_sync(0xFFFFFFFFu, em);  // a warp never spans two rows (blockDim.x % 32 == 0)
+    nan = __reduce_or_sync(0xFFFFFFFFu, nan);
+    __syncthreads();  // red_*[buf] initialised
+    if ((tx & 31) == 0) { atomicMax(&red_e[buf][ty], em); atomicOr(&red_nan[buf][ty], nan); }
+    __syncthreads();
+    if (active) {
+      const int emax = red_e[buf][ty];
+      fold_block(reinterpret_cast<uint4*>(f8 + (u64)row * K) + 2 * tx, cw, (e == -128 ? -127 : e) - emax);
+      if (tx == 0) rowscale[row] = red_nan[buf][ty] ? __uint_as_float(0x7FFFFFFFu) : exp2i(emax);
+    }
+  }
+}
 
 template <int SRC, int RULE, int RND>
 __global__ void __launch_bounds__(1024) quant_rows_fold(
@@ -1147,40 +1195,21 @@ __global__ void __launch_bounds__(1024) quant_rows_fold(
     u32 seed, u32 key0, const u32* __restrict__ dseed, u8* __restrict__ codes, u8* __restrict__ scales,
     u8* __restrict__ mask, u8* __restrict__ f8, float* __restrict__ rowscale) {
   device_rng(dseed, has_signs, s0, s1, s2, s3, seed, key0);
-  __shared__ int red_e[32], red_nan[32];  // per row of the CTA (blockDim.y <= 32)
-  const u32 tx = threadIdx.x, ty = threadIdx.y;
-  if (tx == 0) { red_e[ty] = -127; red_nan[ty] = 0; }
+  __shared__ int red_e[2][32], red_nan[2][32];  // per row of the CTA (blockDim.y <= 32), two trips
   QParams p;
   p.H = H; p.hs = hs; p.seed = seed; p.key0 = key0; p.pass = 0;
   p.codes = codes; p.scales = scales; p.mask = mask; p.g = nullptr; p.amax = nullptr; p.tiles = nullptr;
   p.Kout = K;
   load_signs(p, has_signs, s0, s1, s2, s3);
-  const u32 row = blockIdx.x * blockDim.y + ty;
-  const bool active = row < R && tx < K / 32;
-  u32 cw[4];
-  int e = -127;
-  if (active) {
-    float v[32];
-    load_dense<SRC, 32>(v, x, (u64)row * K + tx * 32);
-    if (H == 32) {  // the Hadamard as straight-line code per (size, signs), as in mx_rows
-      if (p.has_signs) rotate_h<32, 32, true>(v, p);
-      else rotate_h<32, 32, false>(v, p);
-    } else if (H == 16) {
-      if (p.has_signs) rotate_h<32, 16, true>(v, p);
-      else rotate_h<32, 16, false>(v, p);
-    }
-    quant_group_mx<32, RULE, RND>(v, p, (u64)row * K + tx * 32, cw, &e);
+  if (H == 32) {  // one loop per (Hadamard size, signs), as in mx_rows
+    if (p.has_signs) rows_fold_loop<SRC, RULE, RND, 32, true>(x, R, K, p, f8, rowscale, red_e, red_nan);
+    else rows_fold_loop<SRC, RULE, RND, 32, false>(x, R, K, p, f8, rowscale, red_e, red_nan);
+  } else if (H == 16) {
+    if (p.has_signs) rows_fold_loop<SRC, RULE, RND, 16, true>(x, R, K, p, f8, rowscale, red_e, red_nan);
+    else rows_fold_loop<SRC, RULE, RND, 16, false>(x, R, K, p, f8, rowscale, red_e, red_nan);
+  } else {
+    rows_fold_loop<SRC, RULE, RND, 0, false>(x, R, K, p, f8, rowscale, red_e, red_nan);
   }
-  int em = (active && e != -128) ? e : -127, nan = active && e == -128;
-  em = __reduce_max_sync(0xFFFFFFFFu, em);  // a warp never spans two rows (blockDim.x % 32 == 0)
-  nan = __reduce_or_sync(0xFFFFFFFFu, nan);
-  __syncthreads();  // red_* initialised
-  if ((tx & 31) == 0) { atomicMax(&red_e[ty], em); atomicOr(&red_nan[ty], nan); }
-  __syncthreads();
-  if (!active) return;
-  const int emax = red_e[ty];
-  fold_block(reinterpret_cast<uint4*>(f8 + (u64)row * K) + 2 * tx, cw, (e == -128 ? -127 : e) - emax);
-  if (tx == 0) rowscale[row] = red_nan[ty] ? __uint_as_float(0x7FFFFFFFu) : exp2i(emax);
 }
 
 // ---------------------------------------------------------------------------------------------
