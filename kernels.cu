@@ -785,25 +785,6 @@ __device__ __forceinline__ void device_rng(const u32* dseed, int& has_signs, u32
 // prefetch timed slower on the H200). fp4._MX_ROWS_CTAS_PER_SM sizes the grid to match.
 #define FP4_MX_MINB 3
 
-// Calls f(Int<H>(), Int<signs>()) for the runtime Hadamard size (32, 16, or none) and signs flag:
-// each loop body is then compiled with its Hadamard as straight-line code.
-template <int V>
-struct Int {
-  static constexpr int value = V;
-};
-template <class F>
-__device__ __forceinline__ void with_rotation(int H, int has_signs, F&& f) {
-  if (H == 32) {
-    if (has_signs) f(Int<32>(), Int<1>());
-    else f(Int<32>(), Int<0>());
-  } else if (H == 16) {
-    if (has_signs) f(Int<16>(), Int<1>());
-    else f(Int<16>(), Int<0>());
-  } else {
-    f(Int<0>(), Int<0>());
-  }
-}
-
 // quant_rows' MXFP4 one-thread-a-block loop for a fixed Hadamard size HH and signs flag SG. Group
 // gi covers input (and output) elements 32 gi .. 32 gi + 31: rows are contiguous, so no division.
 // The grid is about one wave (fp4._quant_launch): each thread loops over many groups, so the setup
@@ -907,10 +888,16 @@ __global__ void __launch_bounds__(256, (!NV && G == 32) ? FP4_MX_MINB : (!NV && 
         load_dense<SRC, G>(v, x, (u64)row * K + col);
         quant_group<G, NV, RULE, RND>(v, p, row, col);
       }
-    } else if constexpr (G == 32) {  // one loop per (Hadamard size, signs)
-      with_rotation(H, p.has_signs, [&](auto hh, auto sg) {
-        mx_rows<SRC, RULE, RND, decltype(hh)::value, decltype(sg)::value != 0>(x, p, n);
-      });
+    } else if constexpr (G == 32) {  // one loop per (Hadamard size, signs): straight-line bodies
+      if (H == 32) {
+        if (p.has_signs) mx_rows<SRC, RULE, RND, 32, true>(x, p, n);
+        else mx_rows<SRC, RULE, RND, 32, false>(x, p, n);
+      } else if (H == 16) {
+        if (p.has_signs) mx_rows<SRC, RULE, RND, 16, true>(x, p, n);
+        else mx_rows<SRC, RULE, RND, 16, false>(x, p, n);
+      } else {
+        mx_rows<SRC, RULE, RND, 0, false>(x, p, n);
+      }
     } else {  // MXFP4 with a larger Hadamard (64, 128): G = H
       for (u32 gi = blockIdx.x * blockDim.x + threadIdx.x; gi < n; gi += gridDim.x * blockDim.x) {
         float v[G];
@@ -1209,10 +1196,15 @@ __global__ void __launch_bounds__(1024) quant_rows_fold(
   p.codes = codes; p.scales = scales; p.mask = mask; p.g = nullptr; p.amax = nullptr; p.tiles = nullptr;
   p.Kout = K;
   load_signs(p, has_signs, s0, s1, s2, s3);
-  with_rotation(H, p.has_signs, [&](auto hh, auto sg) {  // one loop per (Hadamard size, signs)
-    rows_fold_loop<SRC, RULE, RND, decltype(hh)::value, decltype(sg)::value != 0>(x, R, K, p, f8, rowscale,
-                                                                                  red_e, red_nan);
-  });
+  if (H == 32) {  // one loop per (Hadamard size, signs), as in mx_rows
+    if (p.has_signs) rows_fold_loop<SRC, RULE, RND, 32, true>(x, R, K, p, f8, rowscale, red_e, red_nan);
+    else rows_fold_loop<SRC, RULE, RND, 32, false>(x, R, K, p, f8, rowscale, red_e, red_nan);
+  } else if (H == 16) {
+    if (p.has_signs) rows_fold_loop<SRC, RULE, RND, 16, true>(x, R, K, p, f8, rowscale, red_e, red_nan);
+    else rows_fold_loop<SRC, RULE, RND, 16, false>(x, R, K, p, f8, rowscale, red_e, red_nan);
+  } else {
+    rows_fold_loop<SRC, RULE, RND, 0, false>(x, R, K, p, f8, rowscale, red_e, red_nan);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
