@@ -120,6 +120,7 @@ def generate_text(model, meta, prompt, num_samples, max_new_tokens, temperature=
     return [decode(row[1:].tolist()) for row in out]
 
 def main(argv=None):
+    globals().update(DEFAULTS)  # fresh defaults each call
     globals().update(configurator.configure(DEFAULTS, sys.argv[1:] if argv is None else argv))
     path = ckpt_path or os.path.join(out_dir, 'ckpt.pt')
     model, ckpt = load_model(path, device)

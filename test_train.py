@@ -619,3 +619,34 @@ def test_sigkill_mid_checkpoint_write_then_resume_is_exact(corpus, tmp_path, uni
     assert 'step 2/4' in p.stdout and 'step 1/4' not in p.stdout  # resumed at the previous one
     assert_same_curve(uninterrupted, json.loads((tmp_path / 'summary.json').read_text())['loss_curve'])
     assert not (tmp_path / 'ckpt.pt.tmp').exists()
+
+def rank_pids(pid):
+    """{rank: pid} of torchrun's workers, from /proc (Linux): its children's RANK variable."""
+    ranks = {}
+    for task in os.listdir(f'/proc/{pid}/task'):
+        for child in open(f'/proc/{pid}/task/{task}/children').read().split():
+            env = open(f'/proc/{child}/environ', 'rb').read().split(b'\0')
+            rank = [e[5:] for e in env if e.startswith(b'RANK=')]
+            if rank:
+                ranks[int(rank[0])] = int(child)
+    return ranks
+
+@pytest.mark.skipif(not os.path.isdir('/proc/self/task'), reason='finds the ranks through /proc')
+def test_torchrun_ranks_stop_at_the_same_step(corpus, tmp_path):
+    """SIGUSR1 to rank 1 alone: both ranks stop after the same step (all_reduce of the stop
+    flag), rank 0 writes a checkpoint with both ranks' RNG states, and torchrun exits 0."""
+    import signal
+    args = cli_args(corpus, tmp_path, '--recipe=bf16', '--gradient_accumulation_steps=2',
+                    '--max_iters=200', '--eval_interval=100')
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', *args[1:]]
+    os.makedirs(tmp_path, exist_ok=True)
+    proc = subprocess.Popen(cmd, cwd=HERE, stdout=open(tmp_path / 'stdout.txt', 'w'),
+                            stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS='1'))
+    wait_for(proc, tmp_path, 'step 2/200 |')
+    os.kill(rank_pids(proc.pid)[1], signal.SIGUSR1)
+    assert proc.wait(timeout=120) == 0, (tmp_path / 'stdout.txt').read_text()[-3000:]
+    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=False)
+    stopped = ckpt['iter_num']
+    assert 3 <= stopped < 200 and len(ckpt['rng']) == 2
+    assert f'a stop signal on another rank: stopped after step {stopped - 1}' in \
+        (tmp_path / 'train.log').read_text()
