@@ -16,9 +16,11 @@ Bit-exactness contract with the kernels (everything in FP32, no fused multiply-a
   - Block sums (QuEST's sigma, four_over_six's error, MS-EDEN's correction) are halving trees:
     element j is added to element j + n/2, then the first half is summed the same way. A warp's
     butterfly reduction (__shfl_xor 16, 8, 4, 2, 1 over one element per lane) gives exactly this.
-  - Stochastic rounding draws u = (hash(seed, index) >> 8) * 2^-24, index = row * K + k in the
-    QTensor's layout (quantized axis last), hash = lowbias32(lo32(index) ^ key(seed, index >> 32))
-    (see uniform). Round up iff u < (|v| - lo) / (hi - lo).
+  - Stochastic rounding (SPEC 4, revised 2026-12-01: the rule of FP4 hardware) takes 8 random
+    bits an element: element i = row * K + k of the QTensor's layout (quantized axis last) takes
+    byte i mod 4 of the word W(seed, i div 4), W(seed, j) = lowbias32(lo32(j) ^ key(seed, j >> 32))
+    (see random_bytes); code magnitude = ((floor(a * 256 / step) + byte) >> 8) * step.
+    MS-EDEN's E4M3 scale rounding keeps its own 24-bit draw (see uniform).
   - Random Hadamard signs: random_signs(n, seed), sign i = bit i mod 32 of
     lowbias32(seed + 0x632BE5AB * (i // 32 + 1)); the kernels derive the same bits from a
     DeviceSeed.
@@ -55,17 +57,19 @@ def e2m1_encode(v):
     return _with_sign(code, v)
 
 
-def e2m1_encode_sr(v, u):
-    """Stochastic rounding to E2M1: between the grid neighbours lo <= |v| < hi round up with
-    probability (|v| - lo) / (hi - lo), i.e. iff u < frac(|v| / step), step = hi - lo = 0.5 below
-    2, 1 below 4, 2 above (both forms are exact in FP32). Saturates at 6; u in [0, 1)."""
+def e2m1_encode_sr(v, r):
+    """Stochastic rounding to E2M1 with 8 random bits an element (SPEC 4, revised; Blackwell's
+    cvt.rs): a = min(|v|, 6), step s = 0.5 below 2, 1 below 4, 2 above; the magnitude is
+    ((floor(a * 256 / s) + r) >> 8) * s for the element's random byte r in 0..255 (integer tensor).
+    a * 256 / s is a power-of-two scaling (exact), so P(round up) = floor(256 f) / 256 for the
+    fraction f of a / s: the hardware's bias toward zero below s / 256. NaN -> code 0."""
     a = v.abs().clamp(max=6.0)
-    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
-    w = a / step
-    lo = torch.floor(w)
-    n = lo + (u < (w - lo))  # multiples of step: 0..4 (step .5), 2..4 (step 1), 2..3 (step 2)
-    code = n + torch.where(a < 2, 0.0, torch.where(a < 4, 2.0, 4.0))
-    return _with_sign(torch.nan_to_num(code, nan=0.0).to(torch.uint8), v)
+    k = torch.where(a < 2, 512.0, torch.where(a < 4, 256.0, 128.0))  # 256 / s
+    t = torch.floor(a * k).nan_to_num(0.0).to(torch.int32)  # < 3072
+    n = (t + r.to(torch.int32)) >> 8  # multiples of s: 0..4 (s .5), 2..4 (s 1), 2..3 (s 2)
+    code = n + torch.where(a < 2, 0, torch.where(a < 4, 2, 4))
+    code = torch.where(torch.isnan(v), 0, code)
+    return _with_sign(code.to(torch.uint8), v)
 
 
 def _with_sign(code, v):
@@ -171,17 +175,30 @@ def hash_key(seed, hi=0):
     return _lowbias32_py((seed & _M32) + 0x9E3779B9 * (hi + 1))
 
 
-def uniform(seed, n, device="cpu"):
-    """n uniform FP32 numbers in [0, 1) for the element indices 0..n-1:
-    u[i] = (lowbias32(lo32(i) ^ key(seed, i >> 32)) >> 8) * 2^-24 (24 bits, exact in FP32)."""
+def _hash_words(seed, n, device="cpu"):
+    """lowbias32(lo32(j) ^ key(seed, j >> 32)) for j = 0..n-1, as int32 tensors holding uint32 bits."""
     out = []
     for start in range(0, n, 1 << 32):  # one key per 2^32 indices
         m = min(n - start, 1 << 32)
         idx = torch.arange(m, dtype=torch.int64, device=device)
         lo = (idx - (idx >= 1 << 31).long() * (1 << 32)).int()  # uint32 bits as int32
-        h = _lowbias32_i32(lo ^ _s32(hash_key(seed, start >> 32)))
-        out.append(((h >> 8) & 0xFFFFFF).float() * 2.0**-24)
+        out.append(_lowbias32_i32(lo ^ _s32(hash_key(seed, start >> 32))))
     return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def uniform(seed, n, device="cpu"):
+    """n uniform FP32 numbers in [0, 1) for the indices 0..n-1 (MS-EDEN's scale rounding):
+    u[i] = (lowbias32(lo32(i) ^ key(seed, i >> 32)) >> 8) * 2^-24 (24 bits, exact in FP32)."""
+    return ((_hash_words(seed, n, device) >> 8) & 0xFFFFFF).float() * 2.0**-24
+
+
+def random_bytes(seed, n, device="cpu"):
+    """Stochastic rounding's 8 random bits for the element indices 0..n-1 (SPEC 4): element i takes
+    byte i mod 4 (bits 8(i mod 4) .. 8(i mod 4) + 7) of the word W(seed, i div 4), one hash per four
+    elements, as Blackwell's cvt.rs consumes one 32-bit rbits word per four values. int32 0..255."""
+    words = _hash_words(seed, -(-n // 4), device)  # (n/4,)
+    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int32, device=device)
+    return ((words.unsqueeze(-1) >> shifts) & 0xFF).reshape(-1)[:n]
 
 
 def random_signs(n, seed, device="cpu"):
@@ -422,7 +439,7 @@ def _pack_bits(m):
 def _round(v, rounding, seed):
     """v (R, K) -> codes; SR draws use the element index row * K + k."""
     if rounding == "sr":
-        return e2m1_encode_sr(v, uniform(seed, v.numel(), v.device).view(v.shape))
+        return e2m1_encode_sr(v, random_bytes(seed, v.numel(), v.device).view(v.shape))
     return e2m1_encode(v)
 
 

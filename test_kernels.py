@@ -378,6 +378,20 @@ def test_nvcc_compiles(arch, tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
 
 
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_blackwell_sr_uses_cvt_rs_only_where_it_exists(tmp_path):
+    """SPEC 4: sm_100a encodes SR with cvt.rs.satfinite.e2m1x4.f32; sm_120a has no cvt.rs (PTX ISA
+    8.7) and must compute the same rule in integers; Hopper likewise."""
+    counts = {}
+    for arch in ("sm_90a", "sm_100a", "sm_120a"):
+        out = tmp_path / f"k_{arch}.ptx"
+        res = subprocess.run(["nvcc", "-std=c++17", "-fmad=false", f"-arch={arch}", "-ptx", "-o", str(out), KERNELS_CU],
+                             capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-4000:]
+        counts[arch] = out.read_text().count("cvt.rs.satfinite.e2m1x4.f32")
+    assert counts["sm_100a"] > 0 and counts["sm_90a"] == 0 and counts["sm_120a"] == 0, counts
+
 # Host emulation (CPU, g++): kernels.cu's device math built as C++ with FP4_HOST_EMU, warp shuffles
 # between 4 host threads (one lane quad), against the PyTorch reference bit for bit. Covers the
 # warp-cooperative MXFP4 rows path (mx_chunk) and the one-thread-per-group path (quant_group).
@@ -413,6 +427,8 @@ static inline float __uint2float_rn(unsigned u) { return (float)u; }
 static inline float __fadd_ru(float a, float b) { fesetround(FE_UPWARD); volatile float r = a + b; fesetround(FE_TONEAREST); return r; }
 static inline float __fadd_rd(float a, float b) { fesetround(FE_DOWNWARD); volatile float r = a + b; fesetround(FE_TONEAREST); return r; }
 static inline float __fmaf_ru(float a, float b, float c) { fesetround(FE_UPWARD); volatile float r = __builtin_fmaf(a, b, c); fesetround(FE_TONEAREST); return r; }
+static inline float __fmaf_rd(float a, float b, float c) { fesetround(FE_DOWNWARD); volatile float r = __builtin_fmaf(a, b, c); fesetround(FE_TONEAREST); return r; }
+static inline unsigned __float2uint_rz(float a) { return (unsigned)a; }
 static inline unsigned __funnelshift_l(unsigned lo, unsigned hi, unsigned s) {
   return (unsigned)(((((unsigned long long)hi << 32) | lo) << (s & 31)) >> 32);
 }
