@@ -15,6 +15,7 @@ import time
 import torch
 
 import fp4
+import kernels
 
 
 def bench(fn, warmup=3, reps=20):
@@ -66,11 +67,11 @@ def kernel_only(call):
     """Record the kernel launches of call() and return a function that replays just those launches
     (no allocation or argument checks): the kernels' own time."""
     import cupy as cp
-    fp4._LAUNCH_LOG = log = []
+    kernels.LAUNCH_LOG = log = []
     try:
         keep = call()
     finally:
-        fp4._LAUNCH_LOG = None
+        kernels.LAUNCH_LOG = None
     launches = [item for item in log if item[0] != "keepalive"]
 
     def replay():
@@ -518,7 +519,7 @@ def main():
     for name in args.sections.split(","):
         print(f"\n== {name} ==")
         rows = SECTIONS[name](args)
-        meta["kernel_compiler"] = dict(fp4._KERNEL_COMPILER)
+        meta["kernel_compiler"] = dict(kernels.COMPILER)
         with open(os.path.join(out, f"bench_{name}.json"), "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
 

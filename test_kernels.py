@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import fp4
+import kernels
 
-HAS_GPU = torch.cuda.is_available() and fp4._cupy() is not None
+HAS_GPU = torch.cuda.is_available() and kernels._cupy() is not None
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device and CuPy")
 KERNELS_CU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cu")
 
@@ -145,7 +146,7 @@ MX_CASES = [  # (shape, dtype, rule, rounding, hadamard, signs, special)
 @gpu
 @pytest.mark.parametrize("shape,dtype,rule,rnd,had,signed,special", MX_CASES)
 @pytest.mark.parametrize("axis", [-1, 0])
-@pytest.mark.parametrize("layout", ["quad", "group"])  # fp4._mx_rows_layout: both quant_rows variants
+@pytest.mark.parametrize("layout", ["quad", "group"])  # kernels.mx_rows_layout: both quant_rows variants
 def test_quantize_mx(shape, dtype, rule, rnd, had, signed, special, axis, layout, monkeypatch):
     monkeypatch.setenv("FP4_MX_ROWS", layout)
     if axis == 0 and len(shape) == 3:  # a 3-D tensor quantized along its middle axis instead
@@ -573,8 +574,8 @@ def test_host_emulation_mx(emu_binary, mode, shape, dtype, rule, rnd, had, signe
     q = fp4.quantize(x, "mxfp4", scale_rule=rule, rounding=rnd, hadamard=had, signs=signs, seed=seed)
     x.numpy().astype(np.float32).tofile(d / "x.bin")
     hs = fp4._hadamard_scale(had) if had else 0.0
-    args = [str(d / "emu"), mode, str(shape[0]), str(shape[1]), str(fp4._RULE_ID[rule]), str(fp4._ROUND_ID[rnd]),
-            str(had), str(int(signed)), str(fp4._sign_words(signs)[0] if signed else 0), str(seed),
+    args = [str(d / "emu"), mode, str(shape[0]), str(shape[1]), str(kernels.RULE_ID[rule]), str(kernels.ROUND_ID[rnd]),
+            str(had), str(int(signed)), str(kernels.sign_words(signs)[0] if signed else 0), str(seed),
             repr(np.float32(hs).item()), str(d)]
     subprocess.run(args, check=True, timeout=120)
     r, k = shape
@@ -620,5 +621,5 @@ def test_dispatch_errors_match_reference(opts):
 
 def test_sign_words():
     signs = torch.tensor([1.0, -1.0] * 32 + [-1.0] * 64)
-    assert fp4._sign_words(signs) == [0xAAAAAAAA, 0xAAAAAAAA, 0xFFFFFFFF, 0xFFFFFFFF]
-    assert fp4._sign_words(torch.tensor([-1.0] + [1.0] * 15)) == [1, 0, 0, 0]
+    assert kernels.sign_words(signs) == [0xAAAAAAAA, 0xAAAAAAAA, 0xFFFFFFFF, 0xFFFFFFFF]
+    assert kernels.sign_words(torch.tensor([-1.0] + [1.0] * 15)) == [1, 0, 0, 0]
