@@ -43,9 +43,11 @@ from model import GPT, RECIPES, SIZES, config_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REFERENCE = 'bf16'
-# every run: train.py's GPU shape of a step, 32 x 2 x 512 = 32K tokens; no checkpoints
-# (a run is the unit of resumption: a half-run is not kept)
-SETTINGS = dict(block_size=512, batch_size=32, gradient_accumulation_steps=2, eval_iters=100,
+# every run: train.py's GPU step of 32K tokens (64 x 512), as one micro-batch rather than two:
+# the eager FP4 layers cost ~2 ms of host time each per micro-batch (README), so one halves
+# that per token, and 64 x 512 still fits 30M-100M models in an H200. 50 eval batches per
+# split = 1.6M val tokens an eval. No checkpoints: a run is the unit a study resumes by.
+SETTINGS = dict(block_size=512, batch_size=64, gradient_accumulation_steps=1, eval_iters=50,
                 always_save_checkpoint=False, log_interval=25)
 # peak learning rate per size: train.py's 30M default and config/quartet_200m.py's 200M one,
 # interpolated between; not tuned per recipe (the same for all: same-token, same-schedule runs)
@@ -112,12 +114,14 @@ def train_config(run, base_flags=(), settings=SETTINGS, work_dir=None):
         if key in over:
             raise ValueError(f'--{key} is set by the study for each run; it cannot be a flag')
     cfg = {**settings, 'learning_rate': LEARNING_RATE.get(run.size, 1e-3), **over}
-    step_tokens = cfg['batch_size'] * cfg['block_size'] * cfg['gradient_accumulation_steps']
-    steps = max(1, round(run.tokens / step_tokens))
+    steps = max(1, round(run.tokens / step_tokens(cfg)))
     cfg.update(recipe=run.recipe, seed=run.seed, model_size=run.size, max_iters=steps,
-               eval_interval=max(1, steps // EVALS),
+               eval_interval=max(1, math.ceil(steps / EVALS)),
                out_dir=os.path.join(work_dir or os.path.join(HERE, 'out', 'study'), run.id))
     return cfg
+
+def step_tokens(cfg):
+    return cfg['batch_size'] * cfg['block_size'] * cfg['gradient_accumulation_steps']
 
 def train_argv(cfg):
     return [f'--{k}={v}' for k, v in cfg.items()]
@@ -214,27 +218,30 @@ def corpus(cfg):
     meta['train_tokens'] = os.path.getsize(os.path.join(path, 'train.bin')) // 4
     return {k: meta.get(k) for k in ('source', 'train_tokens', 'val_tokens', 'train_sha1', 'max_tokens')}
 
-def estimate_s(run, cfg, records):
+def estimate_s(run, cfg, records, directory, jobs=1):
     """Projected wall seconds of a run, for the budget: the median tokens/s and fixed cost
-    (compile, evals) of finished runs of the same size and recipe; else train.py's 30M
-    results in results/<gpu>/ (eager) scaled by FLOPs a token, plus 120 s."""
-    step_tokens = cfg['batch_size'] * cfg['block_size'] * cfg['gradient_accumulation_steps']
-    tokens = cfg['max_iters'] * step_tokens
+    (compile, evals) of finished runs of the same size and recipe run `jobs` at a time; else
+    of any such runs, or of the 30M train.py runs beside the study (results/<gpu>/
+    train_30m_<recipe>.json, eager, 16K-token steps; the slowest of them for a recipe without
+    one) scaled by FLOPs a token, plus 120 s, times jobs (sharing the GPU assumed to gain nothing)."""
+    tokens = cfg['max_iters'] * step_tokens(cfg)
     same = [r for r in records.values() if r['status'] == 'ok' and r['model_size'] == run.size
             and r['recipe'] == run.recipe and r['tokens_per_s']]
-    if same:
-        tps = statistics.median(r['tokens_per_s'] for r in same)
-        fixed = statistics.median(max(0.0, r['wall_s'] - r['tokens'] / r['tokens_per_s']) for r in same)
-        return fixed + tokens / tps
+    same_jobs = [r for r in same if r.get('jobs', 1) == jobs]
+    if same_jobs or same:
+        rs = same_jobs or same
+        tps = statistics.median(r['tokens_per_s'] for r in rs)
+        fixed = statistics.median(max(0.0, r['wall_s'] - r['tokens'] / r['tokens_per_s']) for r in rs)
+        return (fixed + tokens / tps) * (1 if same_jobs else jobs)
     measured = {}
     for recipe in RECIPES:
-        path = os.path.join(HERE, 'results', gpu_slug(), f'train_30m_{recipe}.json')
+        path = os.path.join(os.path.dirname(os.path.abspath(directory)), f'train_30m_{recipe}.json')
         if os.path.exists(path):
             with open(path) as f:
                 measured[recipe] = json.load(f)['tokens_per_s']
     tps30 = measured.get(run.recipe, min(measured.values(), default=1e5))
     scale = flops_per_token(run.size, cfg['block_size']) / flops_per_token('30m', cfg['block_size'])
-    return 120.0 + tokens / (tps30 / scale)
+    return (120.0 + tokens / (tps30 / scale)) * jobs
 
 def flops_per_token(size, block_size, vocab_size=100352):
     """6 N for the weights (lm_head included) + 6 L T d for causal attention: a scale only."""
@@ -254,10 +261,10 @@ def start(run, cfg, inprocess):
             with open(os.path.join(cfg['out_dir'], 'stderr.log'), 'w') as f:
                 f.write(str(e.code))
             return 1
-    out = open(os.path.join(cfg['out_dir'], 'stdout.log'), 'w')
-    return subprocess.Popen([sys.executable, os.path.join(HERE, 'train.py'), *train_argv(cfg)],
-                            cwd=HERE, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED='1'))
+    with open(os.path.join(cfg['out_dir'], 'stdout.log'), 'w') as out:  # the child keeps its copy
+        return subprocess.Popen([sys.executable, os.path.join(HERE, 'train.py'), *train_argv(cfg)],
+                                cwd=HERE, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED='1'))
 
 def stop(proc):
     try:
@@ -283,8 +290,7 @@ def make_record(run, cfg, rc, wall_s, context):
                flags=list(run.flags), seed=run.seed, model_size=run.size,
                tokens_requested=run.tokens, train_config=comparable(cfg), wall_s=wall_s,
                date=time.strftime('%Y-%m-%d %H:%M:%S'), **context)
-    step_tokens = cfg['batch_size'] * cfg['block_size'] * cfg['gradient_accumulation_steps']
-    rec['tokens'] = cfg['max_iters'] * step_tokens
+    rec['tokens'] = cfg['max_iters'] * step_tokens(cfg)
     rec['n_params'] = n_params(run.size, cfg['block_size'])  # Quartet's N: vocab-independent
     rec['epochs'] = rec['tokens'] / context['corpus']['train_tokens']
     m = re.search(r'non-finite loss .* at step (\d+)', logs)
@@ -311,57 +317,66 @@ def run_study(runs, directory, base_flags=(), settings=SETTINGS, jobs=1, budget_
               inprocess=False, bundle=None, work_dir=None, log=print):
     """Run what is not done yet, jobs at a time; never start a run whose projected time does
     not fit in what is left of budget_s, and stop the ones still going when it runs out.
-    Returns (the new records, the runs left undone)."""
+    Returns (the new records, the runs left undone: failed, skipped or stopped)."""
     t0 = time.time()
     configs = [train_config(r, base_flags, settings, work_dir) for r in runs]
     records = load_records(directory)
     todo, done = split_done(runs, configs, records)
     log(f'{len(done)} of {len(runs)} runs done; {len(todo)} to run, {jobs} at a time')
-    if not todo:
-        return [], []
     if inprocess and jobs != 1:
         raise ValueError('in-process runs go one at a time (jobs=1)')
+    if not todo:
+        return [], []
     os.makedirs(directory, exist_ok=True)
     commit, dirty = git_state()
-    context = dict(git_commit=commit, git_dirty=dirty, corpus=corpus(configs[0]), jobs=jobs)
-    log(f"corpus: {context['corpus']['train_tokens']:,} train tokens, {context['corpus']['source']}")
+    corpora = {}  # data path -> corpus(): a variant may train on another dataset
     new, left, running = [], [], []
-    pending = list(todo)
-    while pending or running:
-        while pending and len(running) < jobs:
-            run, cfg = pending.pop(0)
-            est = estimate_s(run, cfg, records) * (len(running) + 1)  # shared GPU: assume no gain
-            if budget_s is not None and time.time() - t0 + est > budget_s:
-                log(f'skip {run.id}: projected {est / 60:.1f} min, {(budget_s - time.time() + t0) / 60:.1f} left')
+
+    def left_s():
+        return math.inf if budget_s is None else budget_s - (time.time() - t0)
+
+    while todo or running:
+        while todo and len(running) < jobs:
+            run, cfg = todo.pop(0)
+            est = estimate_s(run, cfg, records, directory, jobs)
+            if est > left_s():
+                log(f'skip {run.id}: projected {est / 60:.1f} min, {left_s() / 60:.1f} left')
                 left.append(run)
                 continue
+            path = cfg.get('data_dir') or cfg.get('dataset', 'pycode')
+            if path not in corpora:
+                corpora[path] = corpus(cfg)
+            context = dict(git_commit=commit, git_dirty=dirty, jobs=jobs, corpus=corpora[path])
+            epochs = cfg['max_iters'] * step_tokens(cfg) / corpora[path]['train_tokens']
+            if epochs > 1:
+                log(f'warning: {run.id} reads {epochs:.2f} epochs of its train split ({path}); '
+                    'data/pycode/prepare.py --max_tokens=... makes a larger one where the machine has it')
             log(f'start {run.id} (projected {est / 60:.1f} min): train.py {" ".join(train_argv(cfg))}')
-            running.append((run, cfg, start(run, cfg, inprocess), time.time()))
+            running.append((run, cfg, context, start(run, cfg, inprocess), time.time()))
         for item in list(running):
-            run, cfg, proc, t_start = item
+            run, cfg, context, proc, t_start = item
             rc = proc if isinstance(proc, int) else proc.poll()
-            over = budget_s is not None and time.time() - t0 > budget_s
-            if rc is None and not over:
+            if rc is None and left_s() > 0:
                 continue
+            running.remove(item)
             if rc is None:
                 stop(proc)
                 log(f'stopped {run.id}: the budget ran out')
                 left.append(run)
-            else:
-                rec = make_record(run, cfg, rc, time.time() - t_start, context)
-                if rec is None:
-                    tail = '\n'.join(read_logs(cfg['out_dir']).splitlines()[-15:])
-                    log(f'FAILED {run.id} (exit {rc}); not recorded, so a later run retries it:\n{tail}')
-                    left.append(run)
-                else:
-                    write_json(os.path.join(directory, run.id + '.json'), rec)
-                    records[run.id] = rec
-                    new.append(rec)
-                    log(f"done {run.id}: {rec['status']}, val loss {rec['val_loss']}, "
-                        f"{(rec['tokens_per_s'] or 0):,.0f} tok/s, {rec['wall_s'] / 60:.1f} min")
-                    if bundle:
-                        write_bundle(directory, bundle)
-            running.remove(item)
+                continue
+            rec = make_record(run, cfg, rc, time.time() - t_start, context)
+            if rec is None:
+                tail = '\n'.join(read_logs(cfg['out_dir']).splitlines()[-15:])
+                log(f'FAILED {run.id} (exit {rc}); not recorded, so a later call retries it:\n{tail}')
+                left.append(run)
+                continue
+            write_json(os.path.join(directory, run.id + '.json'), rec)
+            records[run.id] = rec
+            new.append(rec)
+            log(f"done {run.id}: {rec['status']}, val loss {rec['val_loss']}, "
+                f"{rec['tokens_per_s'] or 0:,.0f} tok/s, {rec['wall_s'] / 60:.1f} min")
+            if bundle:
+                write_bundle(directory, bundle)
         if running:
             time.sleep(1)
     return new, left
@@ -373,11 +388,11 @@ def plan(runs, directory, base_flags=(), settings=SETTINGS, jobs=1, log=print):
     todo, done = split_done(runs, configs, records)
     total = 0.0
     for run, cfg in todo:
-        est = estimate_s(run, cfg, records)
+        est = estimate_s(run, cfg, records, directory, jobs)
         total += est
         log(f'{run.id}: {cfg["max_iters"]} steps, projected {est / 60:.1f} min')
-    log(f'{len(done)} done, {len(todo)} to run: projected {total / 60:.0f} min one at a time '
-        f'(no gain assumed from --jobs={jobs}: measure it)')
+    log(f'{len(done)} done, {len(todo)} to run: projected {total / 60:.0f} min of runs, {jobs} at a '
+        f'time ({total / 60 / jobs:.0f} min of wall time)')
     return todo
 
 # -----------------------------------------------------------------------------
@@ -686,7 +701,6 @@ def plot_cell(size, tokens, groups, path):
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     fig, (ax, axg) = plt.subplots(1, 2, figsize=(12, 4.5))
-    step_tokens = None
     ref = {s: r for s, r in groups.get(REFERENCE, {}).items() if r['status'] == 'ok'}
     lo_y, hi_y, gaps = math.inf, -math.inf, [0.0]
     for group in group_order(groups):
@@ -694,13 +708,13 @@ def plot_cell(size, tokens, groups, path):
         if not runs:
             continue
         steps = len(next(iter(runs.values()))['curve']['train_loss'])
-        step_tokens = tokens / steps
+        tokens_a_step = tokens / steps
         w = max(1, steps // 40)
         curves = np.stack([smooth(r['curve']['train_loss'], w) for r in runs.values()])
-        x = (np.arange(curves.shape[1]) + (w + 1) / 2) * step_tokens / 1e6  # window centres
+        x = (np.arange(curves.shape[1]) + (w + 1) / 2) * tokens_a_step / 1e6  # window centres
         line, = ax.plot(x, curves.mean(0), lw=1.2, label=f'{group} ({len(runs)} seeds)')
         ax.fill_between(x, curves.min(0), curves.max(0), color=line.get_color(), alpha=0.25)
-        vs = np.array([r['curve']['val_steps'] for r in runs.values()][0]) * step_tokens / 1e6
+        vs = np.array(next(iter(runs.values()))['curve']['val_steps']) * tokens_a_step / 1e6
         vl = np.mean([r['curve']['val_loss'] for r in runs.values()], axis=0)
         ax.plot(vs, vl, 'o', color=line.get_color(), ms=4)
         tail = curves.mean(0)[len(x) // 5:]

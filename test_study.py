@@ -145,7 +145,7 @@ def test_grid_and_train_config(tmp_path):
     assert [r.id for r in runs] == ['30m-50M-bf16-s0', '30m-50M-quartet-s0',
                                     '30m-50M-bf16-s1', '30m-50M-quartet-s1']  # seed-major
     cfg = study.train_config(runs[1], work_dir=str(tmp_path))
-    assert cfg['max_iters'] == round(50e6 / 32768) == 1526 and cfg['eval_interval'] == 1526 // 4
+    assert cfg['max_iters'] == round(50e6 / 32768) == 1526 and cfg['eval_interval'] == 382
     assert (cfg['recipe'], cfg['seed'], cfg['model_size']) == ('quartet', 0, '30m')
     assert cfg['out_dir'] == str(tmp_path / '30m-50M-quartet-s0')
     var = study.grid(['quartet'], [2], ['50m'], [25e6], 'lr_low', ['--learning_rate=3e-4'])[0]
@@ -219,7 +219,7 @@ def test_resume_skips_finished_runs(tmp_path, monkeypatch, no_corpus):
 def test_budget_starts_only_what_fits(tmp_path, monkeypatch, no_corpus):
     start, started = fake_start({})
     monkeypatch.setattr(study, 'start', start)
-    monkeypatch.setattr(study, 'estimate_s', lambda run, cfg, records: 600.0 if run.seed else 1.0)
+    monkeypatch.setattr(study, 'estimate_s', lambda run, cfg, records, directory, jobs: 600.0 if run.seed else 1.0)
     runs = study.grid(['bf16'], [0, 1, 2], ['tiny'], [1e4])
     bundle = str(tmp_path / 'study.tgz')
     new, left = study.run_study(runs, str(tmp_path / 'res'), settings=TINY, budget_s=300,
@@ -228,6 +228,19 @@ def test_budget_starts_only_what_fits(tmp_path, monkeypatch, no_corpus):
     import tarfile
     with tarfile.open(bundle) as tar:
         assert 'res/tiny-10K-bf16-s0.json' in tar.getnames()
+
+def test_estimate_from_finished_runs(tmp_path):
+    run = study.grid(['quartet'], [0], ['30m'], [25e6])[0]
+    cfg = study.train_config(run)  # 763 steps of 32768 tokens
+    tokens = 763 * 32768
+    done = {'a': dict(status='ok', model_size='30m', recipe='quartet', tokens_per_s=1e5,
+                      tokens=5e7, wall_s=600.0, jobs=1)}  # 500 s training + 100 s fixed
+    assert study.estimate_s(run, cfg, done, str(tmp_path)) == pytest.approx(100 + tokens / 1e5)
+    assert study.estimate_s(run, cfg, done, str(tmp_path), jobs=2) == pytest.approx(2 * (100 + tokens / 1e5))
+    # no study run yet: train.py's 30M result beside the study directory, plus 120 s
+    with open(tmp_path / 'train_30m_quartet.json', 'w') as f:
+        json.dump(dict(tokens_per_s=2e5), f)
+    assert study.estimate_s(run, cfg, {}, str(tmp_path / 'study')) == pytest.approx(120 + tokens / 2e5)
 
 # -----------------------------------------------------------------------------
 # real runs of train.py on a synthetic corpus
@@ -288,7 +301,7 @@ def test_subprocess_run_and_stop(tmp_path, monkeypatch):
               log=lambda m: None)
     new, left = study.run_study(study.grid(['bf16'], [0], ['tiny'], [8 * 32 * 3]), str(tmp_path / 'r'), **kw)
     assert len(new) == 1 and new[0]['status'] == 'ok' and new[0]['curve']['val_steps'] == [0, 1, 2, 3]
-    monkeypatch.setattr(study, 'estimate_s', lambda run, cfg, records: 0.0)
+    monkeypatch.setattr(study, 'estimate_s', lambda run, cfg, records, directory, jobs: 0.0)
     long = study.grid(['bf16'], [1], ['tiny'], [8 * 32 * 100_000])
     new, left = study.run_study(long, str(tmp_path / 'r'), budget_s=2.0, **kw)
     assert not new and [r.id for r in left] == [long[0].id]
