@@ -19,6 +19,7 @@ seed and step), so recipe R and bf16 at seed s differ only by the recipe.
 """
 
 import argparse
+import functools
 import hashlib
 import importlib.util
 import json
@@ -130,6 +131,7 @@ def comparable(cfg):
     """The config a finished run must match to be reused: all but where files live."""
     return {k: v for k, v in cfg.items() if k not in ('out_dir', 'data_dir')}
 
+@functools.cache
 def n_params(size, block_size, vocab_size=100352):
     """Non-embedding parameters (Quartet's N, SPEC.md 6), counted on the meta device."""
     with torch.device('meta'):
@@ -677,13 +679,13 @@ def law_section(records, exponents='auto', n_boot=200):
     lines = [f"Law fit over {fit['n']} cells (mean val loss over seeds): {fit['note']}. "
              f"A = {p['A']:.4g}, a = {p['a']:.4f}, B = {p['B']:.4g}, b = {p['b']:.4f}, "
              f"g = {p['g']:.4f}, E = {p['E']:.4f}; rms residual {fit['rms']:.4f} nats.", '',
-             '| recipe | effN | 95% (bootstrap over seeds) | effD | 95% (bootstrap over seeds) '
-             '| Quartet (effN, effD) |', '|---|---|---|---|---|---|']
+             '| recipe | effN ± SE (fit) | 95% (bootstrap over seeds) | effD ± SE (fit) '
+             '| 95% (bootstrap over seeds) | Quartet (effN, effD) |', '|---|---|---|---|---|---|']
     for g in group_order(fit['eff']):
-        (en, ed), b = fit['eff'][g], boot.get(g)
+        (en, ed), (sn, sd), b = fit['eff'][g], fit['eff_se'][g], boot.get(g)
         ci = [f'[{lo:.3f}, {hi:.3f}]' for lo, hi in b] if b else ['one seed: none'] * 2
         pub = QUARTET_EFF.get(g)
-        lines.append(f"| {g} | {en:.3f} | {ci[0]} | {ed:.3f} | {ci[1]} | "
+        lines.append(f"| {g} | {en:.3f} ± {sn:.3f} | {ci[0]} | {ed:.3f} ± {sd:.3f} | {ci[1]} | "
                      f"{f'{pub[0]}, {pub[1]}' if pub else '—'} |")
     fit['bootstrap'] = boot
     return '\n'.join(lines), fit
@@ -742,15 +744,17 @@ def plot_cell(size, tokens, groups, path):
     plt.close(fig)
 
 def plot_law(fit, records, path):
+    """Per group: the seed-mean val loss of each (size, budget) and the fitted law's curves."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     groups = [REFERENCE] + group_order(fit['eff'])
     fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 4), sharey=True, squeeze=False)
     cells = by_cell(records)
     for ax, group in zip(axes[0], groups):
         en, ed = fit['eff'].get(group, (1.0, 1.0))
-        for size in sorted({s for s, _ in cells}, key=lambda s: n_params(s, 512)):
+        for size in dict.fromkeys(s for s, _ in cells):  # by_cell orders them by N
             pts = [(d, statistics.fmean(val_losses(g[group]).values()),
                     next(iter(g[group].values()))['n_params'])
                    for (s, d), g in cells.items() if s == size and val_losses(g.get(group, {}))]
@@ -761,6 +765,8 @@ def plot_law(fit, records, path):
             line, = ax.plot(dd / 1e6, law_loss(pts[0][2], dd, fit['params'], en, ed), lw=1)
             ax.plot(d / 1e6, [p[1] for p in pts], 'o', color=line.get_color(), label=size)
         ax.set(xscale='log', xlabel='tokens (M)', title=f'{group}: effN {en:.2f}, effD {ed:.2f}')
+        for axis in (ax.xaxis.set_major_formatter, ax.xaxis.set_minor_formatter):
+            axis(matplotlib.ticker.FuncFormatter(lambda v, _: f'{v:g}'))  # 20, not 2x10^1
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     axes[0][0].set_ylabel('val loss; lines: the fitted law')

@@ -137,6 +137,39 @@ def test_law_fit_with_seed_noise():
             lo, hi = boot[g][j]
             assert lo < hi and lo <= est * 1.02 and est <= hi * 1.02, (g, j, lo, est, hi)
 
+def test_report_fits_the_law_from_run_records(tmp_path):
+    """Run JSONs whose val losses follow the law (3 sizes x 2 budgets, 2 seeds, seed noise
+    0.002): the report's gap table, variant table, law table near the truth, and PNGs."""
+    rng = np.random.default_rng(2)
+    eff = dict(EFF, **{'quartet+x': (0.6, 0.8)})
+    for size in ('30m', '50m', '100m'):
+        N = study.n_params(size, 512)
+        for D in (12.5e6, 25e6):
+            for seed in (0, 1):
+                shift = rng.normal(0, 0.002)  # what a seed does to every recipe
+                for group, (en, ed) in eff.items():
+                    recipe, _, variant = group.partition('+')
+                    L = float(study.law_loss(N, D, TRUE, en, ed)) + shift + rng.normal(0, 0.002)
+                    run = study.Run(size, D, recipe, seed, variant)
+                    curve = dict(train_loss=list(np.linspace(8, L, 50)), val_steps=[0, 25, 50],
+                                 val_loss=[8.0, (8 + L) / 2, L])
+                    study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+                        id=run.id, group=group, recipe=recipe, variant=variant, seed=seed,
+                        model_size=size, tokens=D, n_params=N, epochs=0.1, status='ok',
+                        val_loss=L, val_loss_se=0.001, tokens_per_s=1e5, git_commit='abc',
+                        corpus=dict(train_sha1='f00'), curve=curve))
+    rows, fit = study.report(str(tmp_path), n_boot=30, log=lambda m: None)
+    assert fit['exponents'] == 'quartet' and len(rows) == 6 * 4
+    assert fit['eff']['quartet'] == pytest.approx(EFF['quartet'], abs=0.1)
+    assert set(fit['bootstrap']) == {'quartet', 'nvfp4', 'quartet+x'}
+    q = next(r for r in rows if r['group'] == 'quartet+x' and r['size'] == '30m')
+    assert q['ref'] == 'bf16' and q['vs_base']['n'] == 2 and q['gap']['rel'] > 0
+    md = (tmp_path / 'report.md').read_text()
+    assert "exponents fixed to Quartet's BF16 fit" in md and '| quartet | 0.' in md
+    assert 'Variants against their own recipe' in md and '| 100m | 25M | quartet+x |' in md
+    for png in ('law.png', 'curves_30m_12.5M.png', 'curves_100m_25M.png'):
+        assert (tmp_path / png).stat().st_size > 10_000
+
 # -----------------------------------------------------------------------------
 # the grid, the config a run gets, resuming
 
