@@ -21,7 +21,6 @@ seed and step), so recipe R and bf16 at seed s differ only by the recipe.
 import argparse
 import functools
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -197,18 +196,18 @@ def git_state():
     status = git('status', '--porcelain', '--untracked-files=no')
     return git('rev-parse', 'HEAD'), None if status is None else bool(status)
 
+def data_path(cfg):
+    return cfg.get('data_dir') or os.path.join(HERE, 'data', cfg.get('dataset', 'pycode'))
+
 def corpus(cfg):
     """meta.json of the runs' data, with a fingerprint. data/pycode is prepared here if it is
-    missing, once, as train.py would (concurrent runs preparing it would race)."""
-    path = cfg.get('data_dir') or os.path.join(HERE, 'data', cfg.get('dataset', 'pycode'))
+    missing, once (runs preparing it at once would race), in a fresh process: its worker pool
+    forks, and this one may hold a CUDA context."""
+    path = data_path(cfg)
     if not os.path.exists(os.path.join(path, 'train.bin')):
-        script = os.path.join(HERE, 'data', 'pycode', 'prepare.py')
         if cfg.get('data_dir') or cfg.get('dataset', 'pycode') != 'pycode':
             raise FileNotFoundError(f'{path}/train.bin not found: prepare that corpus first')
-        spec = importlib.util.spec_from_file_location('pycode_prepare', script)
-        prepare = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(prepare)
-        prepare.prepare(path)
+        subprocess.run([sys.executable, os.path.join(path, 'prepare.py')], check=True)
     with open(os.path.join(path, 'meta.json')) as f:
         meta = json.load(f)
     if 'train_sha1' not in meta:  # corpora from other scripts: hash the file
@@ -331,7 +330,11 @@ def run_study(runs, directory, base_flags=(), settings=SETTINGS, jobs=1, budget_
         return [], []
     os.makedirs(directory, exist_ok=True)
     commit, dirty = git_state()
-    corpora = {}  # data path -> corpus(): a variant may train on another dataset
+    # prepared before the first run starts (the budget counts it): a variant may use other data
+    corpora = {data_path(cfg): cfg for _, cfg in todo}
+    corpora = {path: corpus(cfg) for path, cfg in corpora.items()}
+    for path, c in corpora.items():
+        log(f"corpus {path}: {c['train_tokens']:,} train tokens ({c['source']})")
     new, left, running = [], [], []
 
     def left_s():
@@ -345,9 +348,7 @@ def run_study(runs, directory, base_flags=(), settings=SETTINGS, jobs=1, budget_
                 log(f'skip {run.id}: projected {est / 60:.1f} min, {left_s() / 60:.1f} left')
                 left.append(run)
                 continue
-            path = cfg.get('data_dir') or cfg.get('dataset', 'pycode')
-            if path not in corpora:
-                corpora[path] = corpus(cfg)
+            path = data_path(cfg)
             context = dict(git_commit=commit, git_dirty=dirty, jobs=jobs, corpus=corpora[path])
             epochs = cfg['max_iters'] * step_tokens(cfg) / corpora[path]['train_tokens']
             if epochs > 1:
@@ -738,7 +739,8 @@ def plot_cell(size, tokens, groups, path):
     axg.set_ylim(min(gaps) - 0.5, max(gaps) + 0.5)  # the first fifth (warmup) may leave the frame
     for a in (ax, axg):
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
