@@ -16,10 +16,13 @@ kernels. Each sample starts, as every training document does, after the EOT toke
   need of training's backward. A sampling step has one token a sequence, so the FP4 layers'
   rows are padded with zeros up to the multiple and sliced back (model.fp4_rows_padded);
   the forward quantizes each row on its own, so the real rows come out as they would alone.
-- NVFP4 recipes (nvfp4, quartet2) quantize activations with one FP32 tensor scale, the
-  absmax over the rows of the call. With the cache a step's call holds only its new tokens,
-  without it the whole window, so the two can differ in the last bits of a logit and, where
-  two tokens are nearly tied, in the token chosen. MXFP4 (quartet) has no tensor scale.
+- What the cache changes: in FP32, nothing beyond rounding for bf16 and quartet (the greedy
+  tokens are the same, tested). NVFP4 recipes (nvfp4, quartet2) quantize activations with one
+  FP32 tensor scale, the absmax over the rows of the call: with the cache a step's call holds
+  only its new tokens, without it the whole window, so the FP4 values and the logits differ
+  (as in training, where the scale comes from the micro-batch). Under BF16 autocast (the GPU
+  default) the two paths' rounding differences flip an FP4 code now and then, so cached and
+  uncached samples can part ways; --kv_cache=False gives nanoGPT's computation.
 """
 
 import os
