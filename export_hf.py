@@ -141,7 +141,7 @@ def tiktoken_json(enc):
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in enc._special_tokens])
     return tok
 
-def write_tokenizer(meta, out_dir, max_len):
+def write_tokenizer(meta, out_dir, max_len, model_vocab=None):
     """tokenizer.json and tokenizer_config.json for the corpus's tiktoken encoding. Returns
     what was done, for the message."""
     name = meta.get('encoding')
@@ -158,7 +158,7 @@ def write_tokenizer(meta, out_dir, max_len):
                unk_token=None, model_max_length=max_len, clean_up_tokenization_spaces=False)
     with open(os.path.join(out_dir, 'tokenizer_config.json'), 'w') as f:
         json.dump(cfg, f, indent=1)
-    return f'tokenizer.json: {name} ({enc.n_vocab} ids; the model has {meta.get("vocab_size")} + padding)'
+    return f'tokenizer.json: {name}, {enc.n_vocab} ids (the model\'s vocabulary: {model_vocab})'
 
 # -----------------------------------------------------------------------------
 # the export
@@ -189,7 +189,7 @@ def export(ckpt_path, out_dir, fp4_weights=False):
               metadata=dict(format='pt', source=os.path.abspath(ckpt_path), recipe=recipe,
                             weights='fp4_forward' if fp4_weights else 'master'))
     return [f'{out_dir}: LlamaForCausalLM, {which}, {len(tensors)} tensors',
-            write_tokenizer(meta, out_dir, args['block_size'])]
+            write_tokenizer(meta, out_dir, args['block_size'], args['vocab_size'])]
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.strip().split('\n\n')[0])

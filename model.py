@@ -220,8 +220,9 @@ class GPT(nn.Module):
         """Sample max_new_tokens after idx (B, T); temperature 0 picks the most likely token.
         With kv_cache each step runs only the newest position against the cached keys and
         values. Past block_size the window slides, which moves every position's RoPE angle,
-        so from then on each step recomputes the window, as nanoGPT does without a cache:
-        the tokens are the same either way."""
+        so from then on each step recomputes the window, as nanoGPT does without a cache. Both
+        paths compute the same function; their rounding differs (see sample.py for what that
+        does to FP4 layers)."""
         cache = None
         with fp4_rows_padded(self):
             for _ in range(max_new_tokens):

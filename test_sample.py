@@ -100,7 +100,8 @@ def test_sample_cli(trained, capsys, tmp_path):
     assert greedy[0] == greedy[1]
     out = capsys.readouterr().out
     assert f'{trained}/ckpt.pt: step 4, recipe ' in out and '---------------' in out
-    assert '--- a sample (8 tokens after "def "' in (trained / 'train.log').read_text()
+    log = (trained / 'train.log').read_text()
+    assert '--- a sample (8 tokens after "def "' in log and f'loss plot: {trained}/loss.png' in log
 
 def test_sample_keeps_the_rng_stream(trained):
     m, ckpt = sample.load_model(os.path.join(trained, 'ckpt.pt'))

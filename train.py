@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -497,6 +498,8 @@ def catch_stop_signals():
     global _stop_signal
     _stop_signal = None
     sigs = [signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, 'SIGUSR1') else [])
+    if threading.current_thread() is not threading.main_thread():
+        return {}  # only the main thread may set handlers: signals keep their defaults
     return {s: signal.signal(s, _on_stop_signal) for s in sigs}
 
 def stop_requested():
