@@ -79,12 +79,12 @@ if torch.cuda.is_available():
 else:
     # a 2-core CPU. The 128 x 100352 lm_head is most of the work, ~1.6 ms of CPU a token
     # (the FP4 reference quantizers add ~40%), so what a few minutes teach is set by the
-    # tokens: 240 steps of 8 x 64 (123K tokens) at a peak lr of 1e-2 (README: time, loss)
+    # tokens: 160 steps of 8 x 64 (82K tokens) at a peak lr of 1e-2 (README: time, loss)
     model_size = 'tiny'
     block_size = 64
     batch_size = 8
     gradient_accumulation_steps = 1
-    max_iters = 240
+    max_iters = 160
     learning_rate = 1e-2
     eval_interval = 40
     eval_iters = 2
