@@ -500,7 +500,10 @@ def catch_stop_signals():
     sigs = [signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, 'SIGUSR1') else [])
     if threading.current_thread() is not threading.main_thread():
         return {}  # only the main thread may set handlers: signals keep their defaults
-    return {s: signal.signal(s, _on_stop_signal) for s in sigs}
+    previous = {s: signal.signal(s, _on_stop_signal) for s in sigs}
+    for s in sigs:  # restart system calls the signal interrupts (gloo's socket reads, ...),
+        signal.siginterrupt(s, False)  # which could fail with EINTR; the flag is all we need
+    return previous
 
 def stop_requested():
     """Whether any rank got a stop signal. Signals reach the ranks at different moments, so
