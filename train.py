@@ -5,6 +5,7 @@ $ python train.py                          # prepares data/pycode if needed, tra
 $ python train.py --recipe=nvfp4 --max_iters=500
 $ python train.py config/quartet_30m.py --resume=True
 $ torchrun --standalone --nproc_per_node=8 train.py config/quartet_30m.py
+$ torchrun --standalone --nproc_per_node=8 train.py config/llama_1b.py --fsdp=True  # sharded
 
 Recipes (SPEC.md 5): bf16 (baseline), quartet (MXFP4), nvfp4 (NVIDIA), quartet2 (Quartet II).
 Writes to out_dir: train.log (config, versions, GPU, every step), ckpt.pt, loss.png,
@@ -58,6 +59,7 @@ min_lr_frac = 0.1         # cosine ends at learning_rate * min_lr_frac
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'bfloat16' if torch.cuda.is_available() else 'float32'  # autocast dtype
 compile = torch.cuda.is_available()
+fsdp = False              # torchrun: shard weights, grads and optimizer states (FSDP2), not DDP
 seed = 1337
 debug_nan_step = -1       # tests: make the loss NaN at this step
 # size, batch and length of the run: what `python train.py` does depends on the device
@@ -244,6 +246,78 @@ def save_checkpoint(state):
     os.replace(path + '.tmp', path)
 
 # -----------------------------------------------------------------------------
+# FSDP2 (torch.distributed.fsdp.fully_shard): sharding, mixed precision, whole checkpoints
+
+def shard_model(model):
+    """fully_shard each block, then the root (wte, ln_f, lm_head), in place. Every parameter
+    becomes a DTensor holding this rank's rows (dim 0, torch.chunk's split); the optimizer,
+    built after this, keeps its states on those rows only. Before a block's forward FSDP2
+    all-gathers its weights into plain tensors, so FP4Linear quantizes whole weights as it does
+    without FSDP; after the block's backward the weight gradients are reduce-scattered.
+    Mixed precision replaces autocast here: with dtype='bfloat16' the weights are gathered
+    and used in BF16 (half the bytes of FP32), activations between blocks are BF16 too (under
+    autocast they stay FP32), and gradients are reduced in FP32; the sharded weights and the
+    optimizer stay FP32. With dtype='float32' nothing is cast.
+    Each rank initialised its own model (seeded seed + rank); rank 0's weights are broadcast
+    into every rank's shards, as DDP does at its start."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh(device.split(':')[0], (dist.get_world_size(),))
+    param_dtype = torch.bfloat16 if dtype == 'bfloat16' else None
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    whole = model.state_dict() if dist.get_rank() == 0 else {}
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True,
+                                                                broadcast_from_rank0=True))
+    return model
+
+def _whole():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it, on the CPU
+
+def full_state_dicts(model, optimizer):
+    """(model, optimizer) state dicts for ckpt.pt. With FSDP2 both are gathered from every
+    rank's shard (a collective: every rank calls this; ranks other than 0 get {}): the model's
+    is a plain state_dict, as without FSDP; the optimizer's is keyed by parameter name
+    (torch.distributed.checkpoint's format), which any world size can load."""
+    if not fsdp:
+        return model.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    return (get_model_state_dict(model, options=_whole()),
+            get_optimizer_state_dict(model, optimizer, options=_whole()))
+
+def check_resume_fsdp(ckpt):
+    """An optimizer state written without FSDP (keyed by position) cannot be sharded."""
+    if fsdp and not ckpt['config'].get('fsdp', False):
+        raise configurator.ConfigError(f'{out_dir}/ckpt.pt was written with fsdp=False: '
+                                       'resume it with --fsdp=False')
+
+def load_optimizer_state(model, optimizer, ckpt):
+    """Load ckpt's optimizer state; one written by FSDP2 (keyed by name) is loaded by name,
+    each rank keeping its rows of every state (with or without FSDP now)."""
+    if not ckpt['config'].get('fsdp', False):
+        optimizer.load_state_dict(ckpt['optimizer'])
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(model, optimizer, ckpt['optimizer'],
+                             options=StateDictOptions(full_state_dict=True))
+
+def on_whole_matrix(fn, t):
+    """fn (e.g. Newton-Schulz, SPEC 8.2) applied to the whole matrix of FSDP2's shard t, and this
+    rank's rows of the result, as a DTensor placed like t: every rank all-gathers t, runs fn
+    (redundantly, the same on every rank) and keeps its rows. A plain tensor: fn(t). For an
+    optimizer whose update mixes rows, which a shard alone cannot compute (README, FSDP2)."""
+    from torch.distributed.tensor import DTensor, Replicate
+    if not isinstance(t, DTensor):
+        return fn(t)
+    whole = DTensor.from_local(fn(t.full_tensor()), t.device_mesh, [Replicate()] * t.device_mesh.ndim,
+                               run_check=False)
+    return whole.redistribute(t.device_mesh, t.placements)  # Replicate -> Shard: no communication
+
+# -----------------------------------------------------------------------------
 # one optimizer step
 
 def train_step(model, optimizer, data, it, accum, rank, ctx):
@@ -297,7 +371,11 @@ def setup(argv):
     torch.manual_seed(seed + rank)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-    ctx = (nullcontext() if dtype == 'float32' else
+    if fsdp and not dist.is_initialized():
+        raise configurator.ConfigError('fsdp=True needs torchrun (a process group), e.g. '
+                                       'torchrun --standalone --nproc_per_node=2 train.py --fsdp=True')
+    # FSDP2 casts the weights itself (MixedPrecisionPolicy, see shard_model): no autocast
+    ctx = (nullcontext() if dtype == 'float32' or fsdp else
            torch.autocast(device_type=device.split(':')[0], dtype=torch.bfloat16))
     return rank, world, ctx
 
@@ -313,13 +391,17 @@ def init_run(rank, data_meta):
                                        n_kv_head=n_kv_head))
     model = build_model(model_args)
     if ckpt:
-        model.load_state_dict(ckpt['model'])
-    model.to(device)
+        check_resume_fsdp(ckpt)
+        model.load_state_dict(ckpt['model'])  # the whole model, on every rank, before sharding
+    if fsdp:
+        shard_model(model)  # moves each rank's shard to the device: no whole copy stays there
+    else:
+        model.to(device)
     optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2))
     history = dict(steps=[], train_loss=[], val_steps=[], val_loss=[], eval_train_loss=[])
     iter_num = 0
     if ckpt:
-        optimizer.load_state_dict(ckpt['optimizer'])
+        load_optimizer_state(model, optimizer, ckpt)
         iter_num, history = ckpt['iter_num'], ckpt['history']
         rngs = ckpt['rng']
         set_rng_states(rngs[rank] if rank < len(rngs) else rngs[0])
@@ -373,9 +455,10 @@ def eval_and_checkpoint(model, raw_model, optimizer, data, ctx, run):
     if world > 1:
         rngs = [None] * world  # every rank's RNG, so each resumes its own stream
         dist.all_gather_object(rngs, rng_states())
+    model_state, optimizer_state = full_state_dicts(raw_model, optimizer)  # every rank: FSDP2 gathers
     if rank == 0:
         # data position = the step: get_batch is a pure function of (seed, step)
-        save_checkpoint(dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
+        save_checkpoint(dict(model=model_state, optimizer=optimizer_state,
                              model_args=run['model_args'], recipe=recipe, iter_num=it,
                              config=run['config'], rng=rngs, history=history,
                              data=dict(sampler='seed+step', seed=seed, step=it)))
@@ -391,7 +474,7 @@ def main(argv=None):
     log(f"model {model_size} {model_args}: {raw_model.get_num_params() / 1e6:.2f}M non-embedding, "
         f"{raw_model.get_num_params(False) / 1e6:.2f}M total parameters; recipe {recipe}")
     model = torch.compile(raw_model) if compile else raw_model
-    if world > 1:
+    if world > 1 and not fsdp:  # FSDP2 wrapped raw_model in place in init_run
         ids = [torch.cuda.current_device()] if device.startswith('cuda') else None
         model = DDP(model, device_ids=ids)
     run = dict(rank=rank, world=world, start_iter=iter_num, iter_num=iter_num, history=history,

@@ -1,0 +1,264 @@
+"""
+Tests for train.py --fsdp=True (FSDP2) on the CPU: two processes on the gloo backend, the tiny
+model on test_train's synthetic corpus, a few steps each. All two-process runs happen once, in
+one spawn (module fixture `runs`); the tests then compare their losses with single-process and
+DDP runs of the same global batch.
+
+$ python -m pytest test_fsdp.py -q
+"""
+
+import faulthandler
+import json
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import configurator
+import train
+from test_train import HAVE_FP4, write_corpus
+
+needs_fp4 = pytest.mark.skipif(not HAVE_FP4, reason='fp4.to_fp4 not available yet')
+WORLD = 2
+DEADLINE_S = 150  # the spawned runs take ~20 s on 2 idle cores; a hang fails, it does not stall CI
+
+# How far FSDP2 may drift from one process in FP32 (recipe bf16 runs FP32 here: dtype=float32).
+# Same batches, same initial weights, same forward: the per-micro-batch gradients are computed
+# the same way; what differs is the order of the sums (the ranks' gradients are reduce-scattered
+# rather than accumulated, the clipping norm is a sum of per-shard norms). Each step then moves
+# the weights by a few FP32 ulps (2^-24 relative) more or less, which Adam's update (m / sqrt(v),
+# of order lr = 1e-2 per weight, whatever the gradient's size) can amplify to a relative change
+# of the update of order 1e-6 when a gradient is near 0. After 6 steps the loss (~5) moves by
+# well under 1e-4; measured: at most 2e-6 (see the report). The bound: 1e-4 absolute.
+LOSS_ATOL = 1e-4
+
+
+def base_args(corpus, out_dir, *args):
+    return [f'--data_dir={corpus}', f'--out_dir={out_dir}', '--model_size=tiny', '--block_size=32',
+            '--batch_size=8', '--eval_iters=2', '--learning_rate=0.01', '--device=cpu',
+            '--dtype=float32', '--compile=False', *args]
+
+
+# -----------------------------------------------------------------------------
+# the two-process runs: one spawn, every run in order, every rank
+
+def free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(('127.0.0.1', 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class Spy:
+    """Records what FP4Linear's forward receives as its weight: (type, shape, dtype, DTensor?)."""
+
+    def __init__(self):
+        import fp4
+        self.fp4, self.impl, self.seen = fp4, fp4._linear_fwd_impl, set()
+
+    def __enter__(self):
+        from torch.distributed.tensor import DTensor
+        def spy(x, w, recipe, out_dtype):
+            self.seen.add((type(w).__name__, tuple(w.shape), str(w.dtype), isinstance(w, DTensor)))
+            return self.impl(x, w, recipe, out_dtype)
+        self.fp4._linear_fwd_impl = spy
+        return self
+
+    def __exit__(self, *exc):
+        self.fp4._linear_fwd_impl = self.impl
+
+
+def whole_matrix_check(rank):
+    """train.on_whole_matrix: fn sees the whole matrix; each rank gets its rows of fn's result."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh('cpu', (WORLD,))
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(7, 4, generator=g)  # 7 rows: uneven shards (4 + 3)
+    dt = distribute_tensor(full, mesh, [Shard(0)])
+    fn = lambda m: m @ (m.T @ m) / m.norm()  # noqa: E731 (mixes rows: wrong on a shard)
+    out = train.on_whole_matrix(fn, dt)
+    rows = full.chunk(WORLD)[rank]
+    return dict(type=type(out).__name__, placements=str(out.placements),
+                max_err=(out.to_local() - fn(full).chunk(WORLD)[rank]).abs().max().item(),
+                local_rows=out.to_local().shape[0], want_rows=rows.shape[0],
+                plain=torch.equal(train.on_whole_matrix(fn, full), fn(full)))
+
+
+def worker(rank, runs, ports, out):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR='127.0.0.1', OMP_NUM_THREADS='1')
+    torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(DEADLINE_S - 15)  # a hang prints where each rank waits
+    results = {}
+    for (name, argv, spy), port in zip(runs, ports):
+        os.environ['MASTER_PORT'] = str(port)
+        t0 = time.time()
+        try:
+            with Spy() if spy else open(os.devnull) as s:
+                summary = train.main(argv)
+            results[name] = dict(summary=summary, seen=sorted(s.seen) if spy else None)
+        except configurator.ConfigError as e:  # raised before main's loop: the group is still up
+            results[name] = dict(config_error=str(e))
+            torch.distributed.destroy_process_group()
+        results[name]['wall_s'] = time.time() - t0
+    torch.distributed.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{ports[-1]}',
+                                         rank=rank, world_size=WORLD)
+    try:
+        results['whole_matrix'] = whole_matrix_check(rank)
+    finally:
+        torch.distributed.destroy_process_group()
+    with open(os.path.join(out, f'rank{rank}.json'), 'w') as f:
+        json.dump(results, f)
+
+
+def spawn(runs, out):
+    ports = free_ports(len(runs) + 1)
+    ctx = mp.start_processes(worker, args=(runs, ports, out), nprocs=WORLD, join=False,
+                             start_method='spawn')
+    deadline = time.time() + DEADLINE_S
+    while not ctx.join(timeout=5):  # raises with the worker's traceback if one failed
+        if time.time() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f'the two-process runs took over {DEADLINE_S} s')
+    results = []
+    for rank in range(WORLD):
+        with open(os.path.join(out, f'rank{rank}.json')) as f:
+            results.append(json.load(f))
+    return results
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp('corpus')
+    write_corpus(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope='module')
+def runs(corpus, tmp_path_factory):
+    """Every two-process run (name -> rank 0's result; 'rank1' -> rank 1's), and the
+    single-process runs they are compared with."""
+    d = tmp_path_factory.mktemp('runs')
+    a = lambda name, *args: base_args(corpus, d / name, *args)  # noqa: E731
+    bf16 = ['--recipe=bf16', '--max_iters=6', '--lr_decay_iters=6', '--eval_interval=3',
+            '--gradient_accumulation_steps=4']
+    quartet = ['--recipe=quartet', '--max_iters=4', '--lr_decay_iters=4', '--eval_interval=2',
+               '--gradient_accumulation_steps=2']
+    todo = [('fsdp_bf16', a('fsdp_bf16', *bf16, '--fsdp=True'), False)]
+    if HAVE_FP4:
+        half = [x.replace('max_iters=4', 'max_iters=2') for x in quartet]
+        todo += [('ddp_quartet', a('ddp_quartet', *quartet), False),
+                 ('fsdp_quartet', a('fsdp_quartet', *quartet, '--fsdp=True'), True),
+                 ('fsdp_part', a('fsdp_part', *half, '--fsdp=True'), False),
+                 ('fsdp_resumed', a('fsdp_part', *quartet, '--fsdp=True', '--resume=True'), False),
+                 ('fsdp_on_ddp_ckpt', a('ddp_quartet', *quartet, '--fsdp=True', '--resume=True'), False),
+                 ('fsdp_bf16_params', a('fsdp_bf16_params', *half, '--max_iters=1', '--fsdp=True',
+                                        '--dtype=bfloat16'), True)]
+    t0 = time.time()
+    rank0, rank1 = spawn(todo, str(d))
+    out = dict(rank0, rank1=rank1, dir=str(d), spawn_s=time.time() - t0)
+    out['single_bf16'] = train.main(a('single_bf16', *bf16))
+    if HAVE_FP4:
+        out['single_quartet'] = train.main(a('single_quartet', *quartet))
+    print('seconds:', {k: round(v['wall_s'], 1) for k, v in rank0.items() if 'wall_s' in v},
+          'spawn', round(out['spawn_s'], 1), 'single', round(time.time() - t0 - out['spawn_s'], 1))
+    return out
+
+
+# -----------------------------------------------------------------------------
+# the tests
+
+def assert_losses_close(a, b, atol, what, evals=True):
+    """Train losses step by step and (evals) the eval losses; the first mismatches are printed.
+    Eval losses compare only at the same world size: each rank evaluates its own batches."""
+    assert a['steps'] == b['steps'], (a['steps'], b['steps'])
+    bad = [(s, x, y) for s, x, y in zip(a['steps'], a['train_loss'], b['train_loss']) if abs(x - y) > atol]
+    assert not bad, f'{what}: train losses differ by more than {atol} at (step, a, b): {bad[:5]}'
+    if not evals:
+        return
+    assert a['val_steps'] == b['val_steps']
+    bad = [(s, x, y) for s, x, y in zip(a['val_steps'], a['val_loss'], b['val_loss']) if abs(x - y) > atol]
+    assert not bad, f'{what}: val losses differ by more than {atol} at (step, a, b): {bad[:5]}'
+
+
+def test_fsdp_matches_single_process_bf16(runs):
+    fsdp, single = runs['fsdp_bf16']['summary'], runs['single_bf16']
+    assert_losses_close(fsdp['loss_curve'], single['loss_curve'], LOSS_ATOL, 'FSDP2 vs one process',
+                        evals=False)
+    curve = fsdp['loss_curve']
+    assert curve['train_loss'][-1] < curve['train_loss'][0] - 0.3  # it trains, not a no-op
+    print('max |FSDP2 - single| train loss:', max(abs(x - y) for x, y in zip(
+        curve['train_loss'], single['loss_curve']['train_loss'])))
+
+
+@needs_fp4
+def test_fsdp_matches_ddp_quartet(runs):
+    """quartet draws SR noise and random signs from each rank's torch generator (seed + rank):
+    a single process draws rank 1's micro-batch noise from rank 0's stream, so its losses after
+    step 0 differ by SR noise. DDP on the same two ranks draws the same streams: FSDP2 must
+    match it to FP32 rounding (LOSS_ATOL), and step 0 (the forward is deterministic) matches
+    the single process as well."""
+    fsdp = runs['fsdp_quartet']['summary']['loss_curve']
+    assert_losses_close(fsdp, runs['ddp_quartet']['summary']['loss_curve'], LOSS_ATOL, 'FSDP2 vs DDP')
+    single = runs['single_quartet']['loss_curve']
+    assert abs(fsdp['train_loss'][0] - single['train_loss'][0]) <= LOSS_ATOL
+    print('max |FSDP2 - DDP| train loss:', max(abs(x - y) for x, y in zip(
+        fsdp['train_loss'], runs['ddp_quartet']['summary']['loss_curve']['train_loss'])))
+
+
+@needs_fp4
+def test_fsdp_resume_repeats_losses(runs):
+    """Stopped at step 2 (gathered checkpoint) and resumed with FSDP2: steps 2-3 and the last
+    eval repeat the uninterrupted FSDP2 run exactly (same ranks, same reductions)."""
+    full = runs['fsdp_quartet']['summary']['loss_curve']
+    resumed = runs['fsdp_resumed']['summary']['loss_curve']
+    assert resumed['steps'] == [0, 1, 2, 3]
+    assert resumed['train_loss'] == full['train_loss']  # exact
+    assert resumed['val_loss'] == full['val_loss'] and resumed['val_steps'] == [0, 2, 4]
+    ckpt = torch.load(os.path.join(runs['dir'], 'fsdp_part', 'ckpt.pt'), weights_only=False)
+    # the checkpoint holds whole tensors: a plain state_dict, loadable without FSDP
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(**ckpt['model_args']))
+    model.load_state_dict(ckpt['model'])
+    assert all(type(v) is torch.Tensor for v in ckpt['model'].values())
+    assert set(ckpt['optimizer']['state']) == {n for n, _ in model.named_parameters()}
+    assert ckpt['iter_num'] == 4 and len(ckpt['rng']) == WORLD  # the resumed run's last save
+
+
+@needs_fp4
+def test_fsdp_refuses_a_ddp_checkpoint(runs):
+    assert 'written with fsdp=False' in runs['fsdp_on_ddp_ckpt']['config_error']
+
+
+@needs_fp4
+def test_fp4linear_sees_whole_weights(runs):
+    """Inside FSDP2's forward FP4Linear gets the all-gathered weight: a plain tensor of the
+    whole (out, in) shape, never a DTensor shard; BF16 under dtype=bfloat16 (FSDP2's cast)."""
+    for rank_runs in (runs, runs['rank1']):
+        seen = {(s[0], tuple(s[1]), s[2], s[3]) for s in rank_runs['fsdp_quartet']['seen']}
+        want = {(384, 128), (128, 128), (1024, 128), (128, 512)}  # qkv, o, gate_up, down
+        assert {s[1] for s in seen} == want, seen
+        assert all(s[0] == 'Parameter' and not s[3] and s[2] == 'torch.float32' for s in seen), seen
+        seen = {(s[0], tuple(s[1]), s[2], s[3]) for s in rank_runs['fsdp_bf16_params']['seen']}
+        assert {s[2] for s in seen} == {'torch.bfloat16'} and not any(s[3] for s in seen), seen
+    loss = runs['fsdp_bf16_params']['summary']['loss_curve']['train_loss'][0]
+    assert abs(loss - runs['fsdp_quartet']['summary']['loss_curve']['train_loss'][0]) < 0.05
+
+
+def test_on_whole_matrix(runs):
+    for r in (runs['whole_matrix'], runs['rank1']['whole_matrix']):
+        assert r['type'] == 'DTensor' and r['placements'] == '(Shard(dim=0),)', r
+        assert r['local_rows'] == r['want_rows'] and r['max_err'] < 1e-6 and r['plain'], r
+
+
+def test_fsdp_needs_torchrun(tmp_path):
+    with pytest.raises(configurator.ConfigError, match='fsdp=True needs torchrun'):
+        train.main(['--fsdp=True', f'--out_dir={tmp_path}', '--device=cpu'])
