@@ -10,6 +10,7 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import time
 
 import torch
@@ -536,6 +537,64 @@ def section_overhead(args):
 SECTIONS = {"overhead": section_overhead, "profile": section_profile, "kernels": section_kernels, "accum": section_accum, "linear": section_linear, "step": section_step}
 
 
+# ---------------------------------------------------------------------------------------------
+# fsdp (not in the default sections; needs 2+ GPUs): train.py's 1B run under DDP against FSDP2
+
+def _random_corpus(path, vocab=100277, n=1 << 22):
+    """Random token ids: the speed of a step does not depend on the text (loss ~ ln vocab)."""
+    os.makedirs(path, exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    for split in ("train", "val"):
+        torch.randint(0, vocab, (n,), generator=gen, dtype=torch.int32).numpy().tofile(os.path.join(path, f"{split}.bin"))
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump(dict(vocab_size=vocab, eot_token=0, dtype="uint32", encoding="random"), f)
+
+
+def _train_run(n, fsdp, recipe, args, data_dir):
+    """One torchrun of train.py config/llama_1b.py on n GPUs, one micro-batch per rank a step;
+    returns its summary.json (rank 0's peak memory; tokens/s over all ranks) or the error."""
+    out_dir = os.path.join("out", "bench_fsdp", f"{recipe}_{'fsdp' if fsdp else 'ddp'}_{n}")
+    cmd = ["torchrun", "--standalone", f"--nproc_per_node={n}", "train.py", "config/llama_1b.py",
+           f"--fsdp={fsdp}", f"--recipe={recipe}", f"--max_iters={args.fsdp_iters}",
+           f"--gradient_accumulation_steps={n}", "--eval_iters=1", "--always_save_checkpoint=False",
+           f"--compile={args.fsdp_compile}", f"--data_dir={data_dir}", f"--out_dir={out_dir}"]
+    print(" ".join(cmd), flush=True)
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode:
+        return dict(error=(p.stdout + p.stderr)[-2000:])
+    with open(os.path.join(out_dir, "summary.json")) as f:
+        return json.load(f)
+
+
+def section_fsdp(args):
+    """Tokens/s per GPU and peak memory per GPU (rank 0's) of the 1B model, DDP against FSDP2, on
+    each GPU count in --gpus; the first timed step is excluded (compile) as train.py does."""
+    data_dir = os.path.join("out", "bench_fsdp", "data")
+    _random_corpus(data_dir)
+    rows = []
+    for n in map(int, args.gpus.split(",")):
+        if n > torch.cuda.device_count():
+            rows.append(dict(gpus=n, skipped=f"{torch.cuda.device_count()} GPUs here"))
+            continue
+        for recipe, fsdp in [(r, f) for r in args.fsdp_recipe.split(",") for f in (False, True)]:
+            s = _train_run(n, fsdp, recipe, args, data_dir)
+            row = dict(model="1b", recipe=recipe, gpus=n, mode="fsdp2" if fsdp else "ddp")
+            if "error" in s:
+                print(s["error"])
+                rows.append(dict(row, error=s["error"]))
+                continue
+            train_loss = s["loss_curve"]["train_loss"]
+            rows.append(dict(row, tokens_per_s_per_gpu=round(s["tokens_per_s"] / n),
+                             peak_gib_per_gpu=round(s["peak_mem_gib"], 2), wall_s=round(s["wall_s"]),
+                             first_loss=round(train_loss[0], 4), last_loss=round(train_loss[-1], 4)))
+    print_table([r for r in rows if "tokens_per_s_per_gpu" in r],
+                ["model", "recipe", "gpus", "mode", "tokens_per_s_per_gpu", "peak_gib_per_gpu", "first_loss", "last_loss", "wall_s"])
+    return rows
+
+
+SECTIONS_MULTI_GPU = {"fsdp": section_fsdp}
+
+
 def compare_runs(paths, out_png):
     """One loss-curve figure from several train.py summary.json files (same tokens, one per recipe)."""
     import matplotlib
@@ -556,7 +615,7 @@ def compare_runs(paths, out_png):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {list(SECTIONS)}")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {list(SECTIONS)}, or fsdp")
     ap.add_argument("--out", default=None, help="folder for the JSON (default results/<gpu-name-slug>)")
     ap.add_argument("--tokens", type=int, default=16384, help="linear: tokens (rows of X)")
     ap.add_argument("--model", default="1b", help="step: a model.SIZES name")
@@ -566,6 +625,10 @@ def main():
     ap.add_argument("--step-variants", default=",".join(STEP_VARIANTS),
                     help="step: comma list (model.RECIPES names, fp8-rowwise, float8-tensorwise, float8-rowwise); bf16 first")
     ap.add_argument("--step-eager", action="store_true", help="step: also time every variant eager (second table)")
+    ap.add_argument("--gpus", default="2", help="fsdp: comma list of GPU counts (torchrun --nproc_per_node)")
+    ap.add_argument("--fsdp-iters", type=int, default=20, help="fsdp: train.py --max_iters")
+    ap.add_argument("--fsdp-recipe", default="quartet", help="fsdp: comma list of train.py recipes")
+    ap.add_argument("--fsdp-compile", default="True", choices=("True", "False"), help="fsdp: train.py --compile")
     ap.add_argument("--compare", nargs="+", default=None, metavar="SUMMARY_JSON",
                     help="no benchmark: plot these train.py summaries into one PNG (--out names it)")
     args = ap.parse_args()
@@ -579,7 +642,7 @@ def main():
                 time=time.strftime("%Y-%m-%d %H:%M:%S"))
     for name in args.sections.split(","):
         print(f"\n== {name} ==")
-        rows = SECTIONS[name](args)
+        rows = {**SECTIONS, **SECTIONS_MULTI_GPU}[name](args)
         meta["kernel_compiler"] = dict(kernels.COMPILER)
         with open(os.path.join(out, f"bench_{name}.json"), "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
