@@ -119,7 +119,7 @@ def worker(rank, name, argv, spy, port, out):
 def spawn(name, argv, spy, out):
     """Run `worker` on WORLD processes forked from a forkserver that imported torch and train
     once (~0.1 s a run instead of seconds for spawn); rank 0's result and rank 1's."""
-    mp.set_forkserver_preload(['torch', 'train', 'fp4', 'test_fsdp', 'torch.distributed.tensor',
+    mp.set_forkserver_preload(['__main__', 'torch', 'train', 'fp4', 'test_fsdp', 'torch.distributed.tensor',
                                'torch.distributed.fsdp', 'torch.distributed.checkpoint.state_dict',
                                'torch._dynamo'])  # imported lazily by DTensor: seconds a run
     ctx = mp.start_processes(worker, args=(name, argv, spy, free_ports(1)[0], out), nprocs=WORLD,
