@@ -75,11 +75,11 @@ NS_PRECISIONS = ("fp32", "bf16", "nvfp4")
 #   'n' naive: Muon's form, A, A A and B X each one NVFP4 GEMM, no guard
 #   'f' residual form + guard, one NVFP4 GEMM per product
 #   'c' residual form + guard, compensated (two-term) operands, all GEMMs NVFP4
-#   'b' BF16 (the plain bf16 step)
+#   'g' BF16 (the plain bf16 step) + guard
 NS_DESIGNS = {
     "naive": ("n", "n"),            # (mode of the first steps, mode of the last TAIL steps)
     "residual": ("f", "f"),
-    "bf16_tail": ("f", "b"),
+    "bf16_tail": ("f", "g"),
     "compensated_tail": ("f", "c"),
 }
 NS_TAIL = 2  # steps at the end that run in the tail mode
@@ -155,12 +155,16 @@ def _step_fp32(X, abc, stats):
     return a * X + B @ X
 
 
-def _step_bf16(X, abc, stats):
-    """Muon's reference step: X, A, B and every product rounded to BF16 (FP32 accumulation)."""
+def _step_bf16(X, abc, stats, guard=False):
+    """Muon's reference step: X, A, B and every product rounded to BF16 (FP32 accumulation).
+    guard: the nvfp4 designs' BF16 tail, which may inherit FP4 noise past the band (_guard)."""
     a, b, c = abc
     m, n = X.shape
     Xb = X.bfloat16()
     A = Xb @ Xb.t()
+    if guard:
+        X, A = _guard(X, A.float())
+        Xb, A = X.bfloat16(), A.bfloat16()
     B = b * A + c * (A @ A)
     _count(stats, "bf16", 4 * m * m * n + 2 * m**3)
     return (a * Xb + B @ Xb).float()
@@ -240,6 +244,7 @@ def _step_residual(X, abc, stats, compensated=False):
 
 _NS_STEPS = {
     "e": _step_fp32, "b": _step_bf16, "n": _step_naive,
+    "g": lambda X, abc, stats: _step_bf16(X, abc, stats, guard=True),
     "f": _step_residual, "c": lambda X, abc, stats: _step_residual(X, abc, stats, compensated=True),
 }
 
