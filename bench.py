@@ -530,10 +530,13 @@ def ns_quality(G, P, abc, precision, design):
 
 
 def _ns_sources(shape, momenta):
-    """(source name, matrix, coefficients key) per input: a power-law spectrum, and each run's
-    momentum as Muon sees it (raw, Muon's coefficients) and as ROOT does (soft-thresholded)."""
+    """(source name, matrix, coefficients key) per input: a power-law spectrum (s_i = 1/i), a
+    Gaussian matrix (Marchenko-Pastur spectrum: flat, no dominant direction, the hard case), and
+    each run's momentum as Muon sees it (raw, Muon's coefficients) and as ROOT does
+    (soft-thresholded, ROOT's coefficients)."""
     import optim
     yield "power1", power_law_matrix(shape, 1.0), "root"
+    yield "gauss", torch.randn(*shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64), "root"
     for tag, mats in momenta.items():
         if shape in mats:
             yield f"{tag}", mats[shape], "muon"
