@@ -57,7 +57,7 @@ def state_nbytes(s):
 #   singular values past it; ten power iterations on A (O(m^2) each) estimate lambda_max and X is
 #   scaled down when s_max > 1.2, the top of the exact band.
 # - a compensated tail: FP4 errors made in the last two steps are not undone by later steps
-#   (the band is not contracting: |f'| is 0.7-3.9 on it), so there every operand is two NVFP4
+#   (the band is not contracting as a whole: f'(1.2) = 3.9), so there every operand is two NVFP4
 #   terms, x ~ Q(x) + Q(x - Q(x)) (relative error ~1% instead of ~10%): the Gram takes 2 FP4
 #   GEMMs (Q1 Q1^T + C + C^T, C = Q1 Q2^T), B' X takes 3 (the Q2 Q2 term is dropped).
 
@@ -211,8 +211,9 @@ def _gram(X, compensated, stats):
 def _guard(X, A, iters=10):
     """Scale X (and A = X X^T) down if the top singular value, estimated by power iteration on A
     from a fixed start, exceeds GUARD_S. Exact iterates never exceed it, so this only catches
-    FP4 noise before the quintic blows it up. Renormalised every 4 products (|lambda| <= m keeps
-    4 products finite in FP32); tensor ops only: no host sync on a GPU."""
+    FP4 noise before the quintic blows it up. Renormalised every 4 products (lambda_max lies
+    between 1/m and a few, so 4 plain products stay well inside FP32's range); tensor ops only:
+    no host sync on a GPU."""
     v = torch.ones(A.shape[0], 1, device=A.device)
     for i in range(iters):
         v = A @ v
@@ -224,6 +225,7 @@ def _guard(X, A, iters=10):
 
 
 def _step_residual(X, abc, stats, compensated=False):
+    """One guarded step in residual form (the section's header): 3 NVFP4 GEMMs, or 6 compensated."""
     a, b, c = abc
     m = X.shape[0]
     eye = torch.eye(m, device=X.device)
@@ -248,7 +250,6 @@ _NS_STEPS = {
     "g": lambda X, abc, stats: _step_bf16(X, abc, stats, guard=True),
     "f": _step_residual, "c": lambda X, abc, stats: _step_residual(X, abc, stats, compensated=True),
 }
-
 
 
 def soft_threshold(M, quantile=0.9):
