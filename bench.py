@@ -15,6 +15,7 @@ import time
 import torch
 
 import fp4
+import kernels
 
 
 def bench(fn, warmup=3, reps=20):
@@ -66,11 +67,11 @@ def kernel_only(call):
     """Record the kernel launches of call() and return a function that replays just those launches
     (no allocation or argument checks): the kernels' own time."""
     import cupy as cp
-    fp4._LAUNCH_LOG = log = []
+    kernels.LAUNCH_LOG = log = []
     try:
         keep = call()
     finally:
-        fp4._LAUNCH_LOG = None
+        kernels.LAUNCH_LOG = None
     launches = [item for item in log if item[0] != "keepalive"]
 
     def replay():
@@ -371,40 +372,98 @@ def _fp8_model(model):
     return model
 
 
-def section_step(args):
+# The variants a Hopper user compares (SPEC 7): recipe names of model.RECIPES, "fp8-rowwise" (this
+# file's FP8 linear), and torchao's float8 training ("float8-tensorwise", "float8-rowwise"; skipped
+# with the reason where torchao is not installed). All convert the same block linears; lm_head,
+# embeddings, norms and attention stay BF16 everywhere.
+STEP_VARIANTS = ("bf16", "float8-tensorwise", "float8-rowwise", "quartet", "nvfp4", "quartet2")
+
+
+class SkipVariant(Exception):
+    pass
+
+
+def _torchao_float8(model, recipe_name):
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as err:
+        raise SkipVariant(f"torchao not installed ({err.__class__.__name__}: pip install torchao)")
+    config = Float8LinearConfig.from_recipe_name(recipe_name)
+    keep = lambda mod, name: "lm_head" not in name  # noqa: E731  the block linears, as the recipes
+    return convert_to_float8_training(model, config=config, module_filter_fn=keep)
+
+
+def _step_model(args, variant):
+    """The ~1B Llama for one step variant, on the GPU, with its optimizer (as train.py makes it)."""
     import model as llama
-    rows, base = [], None
-    for recipe in ("bf16", "fp8-rowwise", "quartet", "nvfp4", "quartet2"):
-        torch.manual_seed(0)
-        cfg = llama.config_for(args.model, block_size=args.seq)
-        net = llama.GPT(cfg).cuda()
-        net = _fp8_model(net) if recipe == "fp8-rowwise" else llama.apply_recipe(net, recipe)
-        opt = net.configure_optimizers(0.1, 1e-4, (0.9, 0.95))
-        idx = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device="cuda")
-        x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+    torch.manual_seed(0)
+    cfg = llama.config_for(args.model, block_size=args.seq)
+    net = llama.GPT(cfg).cuda()
+    if variant.startswith("float8-"):
+        net = _torchao_float8(net, variant.split("-", 1)[1])
+    elif variant == "fp8-rowwise":
+        net = _fp8_model(net)
+    else:
+        net = llama.apply_recipe(net, variant)
+    return net, net.configure_optimizers(0.1, 1e-4, (0.9, 0.95)), cfg
 
-        def step():
-            with torch.autocast("cuda", torch.bfloat16):
-                _, loss = net(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
 
-        step()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        ms = bench(step, warmup=1, reps=args.step_reps)
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        tok_s = args.batch * args.seq / (ms / 1000)
-        base = base or (tok_s, peak)
-        rows.append(dict(model=args.model, recipe=recipe, tokens_per_step=args.batch * args.seq,
-                         ms=round(ms, 1), tokens_per_s=round(tok_s), vs_bf16=round(tok_s / base[0], 3),
-                         peak_gib=round(peak, 2), mem_vs_bf16=round(peak / base[1], 3)))
-        del net, opt
-        torch.cuda.empty_cache()
-    print_table(rows, ["model", "recipe", "tokens_per_step", "ms", "tokens_per_s", "vs_bf16", "peak_gib", "mem_vs_bf16"])
+def _time_step(args, variant, compiled):
+    """Median step time and peak memory of one variant: autocast BF16 forward with the loss inside
+    the model, backward, fused AdamW, with the model torch.compile'd as train.py does."""
+    net, opt, cfg = _step_model(args, variant)
+    fwd = torch.compile(net) if compiled else net
+    idx = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device="cuda")
+    x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+    def step():
+        with torch.autocast("cuda", torch.bfloat16):
+            _, loss = fwd(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    t0 = time.perf_counter()
+    step()  # compiles (and warms up)
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
+    torch.cuda.reset_peak_memory_stats()
+    ms = bench(step, warmup=1, reps=args.step_reps)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    del net, opt, fwd
+    return ms, peak, warm_s
+
+
+def section_step(args):
+    """Tokens/s and peak memory per variant, compiled (the headline) and optionally eager, all
+    against the BF16 row of the same mode in the same run."""
+    variants = args.step_variants.split(",")
+    rows = []
+    for compiled in (True, False) if args.step_eager else (True,):
+        base = None
+        for variant in variants:
+            row = dict(model=args.model, variant=variant, mode="compiled" if compiled else "eager",
+                       tokens_per_step=args.batch * args.seq)
+            try:
+                ms, peak, warm_s = _time_step(args, variant, compiled)
+            except SkipVariant as why:
+                rows.append(dict(row, skipped=str(why)))
+                print(f"  {variant}: skipped: {why}")
+                continue
+            finally:
+                torch._dynamo.reset()
+                torch.cuda.empty_cache()
+            tok_s = args.batch * args.seq / (ms / 1000)
+            if variant == "bf16" and base is None:
+                base = (tok_s, peak)
+            rows.append(dict(row, ms=round(ms, 1), tokens_per_s=round(tok_s), peak_gib=round(peak, 2),
+                             first_step_s=round(warm_s, 1),
+                             vs_bf16=round(tok_s / base[0], 3) if base else None,
+                             mem_vs_bf16=round(peak / base[1], 3) if base else None))
+        mode = "compiled" if compiled else "eager"
+        print_table([r for r in rows if r["mode"] == mode and "ms" in r],
+                    ["model", "variant", "mode", "ms", "tokens_per_s", "vs_bf16", "peak_gib", "mem_vs_bf16", "first_step_s"])
     return rows
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -654,6 +713,9 @@ def main():
     ap.add_argument("--seq", type=int, default=2048, help="step: sequence length")
     ap.add_argument("--batch", type=int, default=8, help="step: sequences per step")
     ap.add_argument("--step-reps", type=int, default=4, help="step: timed steps")
+    ap.add_argument("--step-variants", default=",".join(STEP_VARIANTS),
+                    help="step: comma list (model.RECIPES names, fp8-rowwise, float8-tensorwise, float8-rowwise); bf16 first")
+    ap.add_argument("--step-eager", action="store_true", help="step: also time every variant eager (second table)")
     ap.add_argument("--ns-sizes", default="30m,1b", help="ns: model.SIZES names whose block shapes to test")
     ap.add_argument("--momentum", nargs="*", default=[], metavar="CKPT",
                     help="ns: train.py checkpoints of Muon/ROOT runs whose momentum matrices to test")
@@ -671,7 +733,7 @@ def main():
     for name in args.sections.split(","):
         print(f"\n== {name} ==")
         rows = SECTIONS[name](args)
-        meta["kernel_compiler"] = dict(fp4._KERNEL_COMPILER)
+        meta["kernel_compiler"] = dict(kernels.COMPILER)
         with open(os.path.join(out, f"bench_{name}.json"), "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
 

@@ -221,6 +221,8 @@ def estimate_loss(model, data, ctx, rank):
             if dist.is_initialized():
                 dist.all_reduce(mean, op=dist.ReduceOp.AVG)
             out[split] = mean.item()
+            # standard error of this rank's mean (independent batches): study.py sets it beside seed noise
+            out[f'{split}_se'] = (losses.std() / math.sqrt(eval_iters)).item() if eval_iters > 1 else math.nan
         model.train()
     return out
 
@@ -376,6 +378,7 @@ def eval_and_checkpoint(model, raw_model, optimizer, data, ctx, run):
     history['val_steps'].append(it)
     history['val_loss'].append(losses['val'])
     history['eval_train_loss'].append(losses['train'])
+    history.setdefault('val_loss_se', []).append(losses['val_se'])  # setdefault: older checkpoints
     log(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
     if not always_save_checkpoint or it == run['start_iter']:
         return  # nothing new to save
@@ -397,6 +400,10 @@ def main(argv=None):
     if rank == 0:
         log_header(config)
     data, meta = load_data(rank == 0)
+    epochs = max_iters * batch_size * block_size * gradient_accumulation_steps / len(data['train'])
+    if epochs > 1:
+        log(f'warning: the run repeats its training data: {max_iters} steps read {epochs:.2f} epochs '
+            f"of the {len(data['train']):,}-token train split")
     raw_model, model_args, optimizer, iter_num, history = init_run(rank, meta)
     log(f"model {model_size} {model_args}: {raw_model.get_num_params() / 1e6:.2f}M non-embedding, "
         f"{raw_model.get_num_params(False) / 1e6:.2f}M total parameters; recipe {recipe}, optimizer {config['optimizer']}")
