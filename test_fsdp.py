@@ -280,6 +280,10 @@ def test_on_whole_matrix(runs):
         assert r['local_rows'] == r['want_rows'] and r['max_err'] < 1e-6 and r['plain'], r
 
 
-def test_fsdp_needs_torchrun(tmp_path):
+def test_fsdp_config_errors(tmp_path, monkeypatch):
     with pytest.raises(configurator.ConfigError, match='fsdp=True needs torchrun'):
         train.main(['--fsdp=True', f'--out_dir={tmp_path}', '--device=cpu'])
+    monkeypatch.setattr(train.dist, 'is_initialized', lambda: True)  # as under torchrun
+    monkeypatch.setattr(train, 'init_distributed', lambda: (0, 0, 1))
+    with pytest.raises(configurator.ConfigError, match="does not run optimizer='root_fp4'"):
+        train.main(['--fsdp=True', '--optimizer=root_fp4', f'--out_dir={tmp_path}', '--device=cpu'])
