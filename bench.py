@@ -688,7 +688,7 @@ CPU_SECTIONS = {"ns"}  # sections that also run without a GPU
 
 
 # ---------------------------------------------------------------------------------------------
-# fsdp (not in the default sections; needs 2+ GPUs): train.py's 1B run under DDP against FSDP2
+# fsdp (not in the default sections): train.py's 1B run under DDP against FSDP2, through torchrun
 
 def _random_corpus(path, vocab=100277, n=1 << 22):
     """Random token ids: the speed of a step does not depend on the text (loss ~ ln vocab)."""
@@ -718,7 +718,8 @@ def _train_run(n, fsdp, recipe, args, data_dir):
 
 def section_fsdp(args):
     """Tokens/s per GPU and peak memory per GPU (rank 0's) of the 1B model, DDP against FSDP2, on
-    each GPU count in --gpus; the first timed step is excluded (compile) as train.py does."""
+    each GPU count in --gpus (1: one process against FSDP2 on one rank, a check of the CUDA path);
+    the first timed step is excluded (compile) as train.py does."""
     data_dir = os.path.join("out", "bench_fsdp", "data")
     _random_corpus(data_dir)
     rows = []
@@ -728,7 +729,7 @@ def section_fsdp(args):
             continue
         for recipe, fsdp in [(r, f) for r in args.fsdp_recipe.split(",") for f in (False, True)]:
             s = _train_run(n, fsdp, recipe, args, data_dir)
-            row = dict(model="1b", recipe=recipe, gpus=n, mode="fsdp2" if fsdp else "ddp")
+            row = dict(model="1b", recipe=recipe, gpus=n, mode="fsdp2" if fsdp else "ddp" if n > 1 else "single")
             if "error" in s:
                 print(s["error"])
                 rows.append(dict(row, error=s["error"]))
