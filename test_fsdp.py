@@ -1,8 +1,8 @@
 """
 Tests for train.py --fsdp=True (FSDP2) on the CPU: two processes on the gloo backend, the tiny
-model on test_train's synthetic corpus, a few steps each. All two-process runs happen once, in
-one spawn (module fixture `runs`); the tests then compare their losses with single-process and
-DDP runs of the same global batch.
+model on test_train's synthetic corpus, a few steps each. The module fixture `runs` makes every
+run once (each two-process run in a fresh pair of processes, forked from a forkserver); the tests
+then compare their losses with single-process and DDP runs of the same global batch.
 
 $ python -m pytest test_fsdp.py -q
 """
@@ -29,11 +29,11 @@ DEADLINE_S = 120  # per run; each takes under 15 s on 2 busy cores: a hang fails
 # How far FSDP2 may drift from one process in FP32 (recipe bf16 runs FP32 here: dtype=float32).
 # Same batches, same initial weights, same forward: the per-micro-batch gradients are computed
 # the same way; what differs is the order of the sums (the ranks' gradients are reduce-scattered
-# rather than accumulated, the clipping norm is a sum of per-shard norms). Each step then moves
-# the weights by a few FP32 ulps (2^-24 relative) more or less, which Adam's update (m / sqrt(v),
-# of order lr = 1e-2 per weight, whatever the gradient's size) can amplify to a relative change
-# of the update of order 1e-6 when a gradient is near 0. After 4 steps the loss (~5) moves by
-# well under 1e-4; measured: 4.8e-7 (bf16 vs one process), 0 (quartet vs DDP). The bound: 1e-4.
+# rather than accumulated, the clipping norm is a sum of per-shard norms): each gradient differs
+# by a few FP32 ulps (2^-24 relative). Adam normalises it (m / sqrt(v)), so each weight's update
+# (~lr = 1e-2) differs by about as much relatively, more only where |g| is near eps; the loss
+# (~5) then moves by ~lr * 2^-22 * |dL/dW|_1-ish per step: of order 1e-6 after 4 steps. The bound
+# keeps a 100x margin: 1e-4. Measured: 4.8e-7 (bf16 vs one process), 0 (quartet vs DDP).
 LOSS_ATOL = 1e-4
 
 
@@ -44,16 +44,12 @@ def base_args(corpus, out_dir, *args):
 
 
 # -----------------------------------------------------------------------------
-# the two-process runs: one spawn, every run in order, every rank
+# the two-process runs: a fresh pair of processes each, in order
 
-def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
+def free_port():
+    with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+        return s.getsockname()[1]
 
 
 class Spy:
@@ -122,7 +118,7 @@ def spawn(name, argv, spy, out):
     mp.set_forkserver_preload(['__main__', 'torch', 'train', 'fp4', 'test_fsdp', 'torch.distributed.tensor',
                                'torch.distributed.fsdp', 'torch.distributed.checkpoint.state_dict',
                                'torch._dynamo'])  # imported lazily by DTensor: seconds a run
-    ctx = mp.start_processes(worker, args=(name, argv, spy, free_ports(1)[0], out), nprocs=WORLD,
+    ctx = mp.start_processes(worker, args=(name, argv, spy, free_port(), out), nprocs=WORLD,
                              join=False, start_method='forkserver')
     deadline = time.time() + DEADLINE_S
     while not ctx.join(timeout=1):  # raises with the worker's traceback if one failed
