@@ -297,9 +297,10 @@ def section_linear(args):
         grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         ref = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
         layers = {"bf16": ref, "fp8-rowwise": lambda t: FP8RowwiseLinear.apply(t, ref.weight)}
-        for recipe in ("quartet", "nvfp4", "quartet2"):
+        for recipe in ("quartet", "nvfp4", "quartet2", "fullstack"):
             lin = fp4.FP4Linear(k, n, recipe=recipe, device="cuda", dtype=torch.bfloat16)
             lin.weight = ref.weight
+            fp4.refit_lora(lin)  # fullstack's L from this weight (no-op for the others)
             layers[recipe] = lin
         base = None
         runs = {name: _fwd_bwd(layer, x, grad) for name, layer in layers.items()}
@@ -374,11 +375,12 @@ def _fp8_model(model):
 def section_step(args):
     import model as llama
     rows, base = [], None
-    for recipe in ("bf16", "fp8-rowwise", "quartet", "nvfp4", "quartet2"):
+    for recipe in ("bf16", "fp8-rowwise", "quartet", "nvfp4", "quartet2", "fullstack"):
         torch.manual_seed(0)
         cfg = llama.config_for(args.model, block_size=args.seq)
         net = llama.GPT(cfg).cuda()
         net = _fp8_model(net) if recipe == "fp8-rowwise" else llama.apply_recipe(net, recipe)
+        fp4.refit_lora(net)  # fullstack: fit L as train.py does at step 0 (no-op for the others)
         opt = net.configure_optimizers(0.1, 1e-4, (0.9, 0.95))
         idx = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device="cuda")
         x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
