@@ -1084,7 +1084,8 @@ def _lora_place(layer):
 
 def _lora_residual(layer):
     """R = W - U_r S_r V_r^T in FP32 (N, K); its gradient is W's. Autocast off: L's product
-    must not be rounded to BF16 before the subtraction."""
+    must not be rounded to BF16 before the subtraction. (TF32, if allowed, changes only the
+    summation order: BF16 factors are exact in TF32, their products exact in FP32.)"""
     with torch.autocast(layer.weight.device.type, enabled=False):
         low = layer.lora_us.float() @ layer.lora_v.float().t()  # (N, r) @ (r, K)
         return layer.weight.float() - low

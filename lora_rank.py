@@ -81,13 +81,21 @@ def measure(cases, ranks, calls):
             base = row if rank == -1 else base
             if rank is not None and rank > 0:
                 row.update({f"{k}_cut_pct": 100 * (1 - row[k] / base[k]) for k in ("out", "dgrad")})
+                row["top_r_energy"] = float(np.mean([top_energy(w, rank) for w, _, _ in layers]))
             rows.append(row)
             print_row(row)
     return rows
 
 
+def top_energy(w, rank):
+    """The fraction of ||W||_F^2 in the top `rank` singular values: what L takes out of R."""
+    s2 = torch.linalg.svdvals(w.double()).square()
+    return float(s2[:rank].sum() / s2.sum())
+
+
 def print_row(r):
     cut = "".join(f"  {k} -{r[k + '_cut_pct']:.1f}%" for k in ("out", "dgrad") if k + "_cut_pct" in r)
+    cut += f"  top-r energy {r['top_r_energy']:.3f}" if "top_r_energy" in r else ""
     print(f"{r['weights']:>24} {r['variant']:>18}  out {r['out']:.4f}  dgrad {r['dgrad']:.4f}  wgrad {r['wgrad']:.4f}"
           f"  (means: {r['dgrad_mean']:.4f} {r['wgrad_mean']:.4f}){cut}")
 
@@ -121,24 +129,33 @@ def from_checkpoint(path, m):
     tokens = np.memmap(os.path.join(data_dir, "val.bin"), dtype=np.uint32, mode="r")[: m + 1].astype(np.int64)
     idx = torch.from_numpy(tokens)
     x, y = idx[:-1].view(-1, t), idx[1:].view(-1, t)  # (m / T, T)
-    seen = {}
     linears = {n: mod for n, mod in net.transformer.h.named_modules() if isinstance(mod, torch.nn.Linear)}
-    for name, mod in linears.items():
-        mod.register_forward_hook(lambda mod, inp, out, name=name: seen.setdefault(name, [inp[0].reshape(-1, mod.in_features).detach()]))
-        mod.register_full_backward_hook(lambda mod, gin, gout, name=name: seen[name].append(gout[0].reshape(-1, mod.out_features)))
+    xs, es = {}, {}
+
+    def keep_x(mod, inp, out):
+        xs[mod] = inp[0].reshape(-1, mod.in_features).detach()  # (M, K)
+
+    def keep_e(mod, grad_in, grad_out):
+        es[mod] = grad_out[0].reshape(-1, mod.out_features)  # (M, N)
+
+    for mod in linears.values():
+        mod.register_forward_hook(keep_x)
+        mod.register_full_backward_hook(keep_e)
     _, loss = net(x, y)
     loss.backward()
-    return [(linears[n].weight.detach().clone(), seen[n][0], seen[n][1]) for n in linears], ckpt.get("iter_num")
+    return [(mod.weight.detach().clone(), xs[mod], es[mod]) for mod in linears.values()], ckpt.get("iter_num")
 
 
 # ---------------------------------------------------------------------------------------------
 # the backward treatments compared (the recipe's choice, README)
 
-BACKWARDS = {
-    "nvfp4 (SR; RHT-16 + SR/RN in wgrad)": {},
+_NVFP4_DGRAD = dict(dgrad_e=dict(rounding="sr"), dgrad_w=dict(rounding="rn", scale_rule="four_over_six"))
+_NVFP4_WGRAD = dict(wgrad_e=dict(rounding="sr", hadamard=16), wgrad_x=dict(rounding="rn", hadamard=16))
+BACKWARDS = {  # nvfp4's dgrad reuses 16x16 weight tiles; R is four_over_six 1x16, so it is re-quantized RN
+    "nvfp4 (E: SR; wgrad RHT-16)": {**_NVFP4_DGRAD, **_NVFP4_WGRAD},
     "quartet2 (RHT-128 + MS-EDEN)": dict(dgrad_e=fp4._EDEN, dgrad_w=fp4._EDEN, wgrad_e=fp4._EDEN, wgrad_x=fp4._EDEN),
-    "nvfp4 dgrad, MS-EDEN wgrad": dict(wgrad_e=fp4._EDEN, wgrad_x=fp4._EDEN),
-    "MS-EDEN dgrad, nvfp4 wgrad": dict(dgrad_e=fp4._EDEN, dgrad_w=fp4._EDEN),
+    "nvfp4 dgrad, MS-EDEN wgrad": dict(**_NVFP4_DGRAD, wgrad_e=fp4._EDEN, wgrad_x=fp4._EDEN),
+    "MS-EDEN dgrad, nvfp4 wgrad": dict(dgrad_e=fp4._EDEN, dgrad_w=fp4._EDEN, **_NVFP4_WGRAD),
 }
 
 
