@@ -944,7 +944,8 @@ class _LinearFn(torch.autograd.Function):
 
 class FP4Linear(torch.nn.Linear):
     """nn.Linear whose forward, input-gradient and weight-gradient GEMMs run on FP4 operands
-    under `recipe` (RECIPES). Same parameters and state_dict as nn.Linear."""
+    under `recipe` (RECIPES). Same parameters and state_dict as nn.Linear; fullstack adds L's two
+    BF16 factors as buffers (lora_rank: see "LoRA-SVD projections" below)."""
 
     def __init__(self, in_features, out_features, bias=False, recipe="quartet", device=None, dtype=None,
                  lora_rank=0):

@@ -81,7 +81,10 @@ def measure(cases, ranks, calls):
             base = row if rank == -1 else base
             if rank is not None and rank > 0:
                 row.update({f"{k}_cut_pct": 100 * (1 - row[k] / base[k]) for k in ("out", "dgrad")})
-                row["top_r_energy"] = float(np.mean([top_energy(w, rank) for w, _, _ in layers]))
+                energy = [top_energy(w, rank) for w, _, _ in layers]
+                row["top_r_energy"] = float(np.mean(energy))
+                # the error scales with ||R||_F = sqrt(1 - energy) ||W||_F: the cut it predicts
+                row["predicted_cut_pct"] = float(np.mean([100 * (1 - math.sqrt(1 - f)) for f in energy]))
             rows.append(row)
             print_row(row)
     return rows
@@ -95,7 +98,8 @@ def top_energy(w, rank):
 
 def print_row(r):
     cut = "".join(f"  {k} -{r[k + '_cut_pct']:.1f}%" for k in ("out", "dgrad") if k + "_cut_pct" in r)
-    cut += f"  top-r energy {r['top_r_energy']:.3f}" if "top_r_energy" in r else ""
+    if "top_r_energy" in r:
+        cut += f"  top-r energy {r['top_r_energy']:.3f} (predicts -{r['predicted_cut_pct']:.1f}%)"
     print(f"{r['weights']:>24} {r['variant']:>18}  out {r['out']:.4f}  dgrad {r['dgrad']:.4f}  wgrad {r['wgrad']:.4f}"
           f"  (means: {r['dgrad_mean']:.4f} {r['wgrad_mean']:.4f}){cut}")
 
