@@ -6,6 +6,7 @@ fullstack recipe").
 $ python lora_rank.py                                     # weights with decaying spectra
 $ python lora_rank.py --ckpt out/ckpt.pt                  # + a trained checkpoint's block linears
 $ python lora_rank.py --ckpt out/ckpt.pt --backward       # + the backward treatments compared
+$ python lora_rank.py --device=cuda --synthetic=2048x2048 --ranks=32,128 --calls=2   # a GPU check
 
 For a weight W (N, K), inputs X (M, K) and output gradients E (M, N), one FP4Linear's relative
 errors against FP32: output ||Y - X W^T|| / ||X W^T||, input gradient ||dX - E W|| / ||E W|| and
@@ -31,7 +32,7 @@ import fp4
 def layer(w, recipe, rank):
     """An FP4Linear holding w under recipe (fullstack: with lora_rank = rank, L fitted)."""
     n, k = w.shape
-    lin = fp4.FP4Linear(k, n, recipe=recipe, **({"lora_rank": rank} if recipe == "fullstack" else {}))
+    lin = fp4.FP4Linear(k, n, recipe=recipe, device=w.device, **({"lora_rank": rank} if recipe == "fullstack" else {}))
     lin.weight.data.copy_(w)
     fp4.refit_lora(lin)
     return lin
@@ -198,8 +199,8 @@ def main():
     ap.add_argument("--backward-rank", type=int, default=0, help="fullstack rank for --backward (0: the default rule)")
     ap.add_argument("--synthetic", default="640x640,1792x640", help="comma list of NxK shapes ('' for none)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--device", default="cpu", help="where the layers run (cuda: the kernels and cuBLAS)")
     args = ap.parse_args()
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
     cases = {}
     for shape in filter(None, args.synthetic.split(",")):
         n, k = map(int, shape.split("x"))
@@ -208,6 +209,7 @@ def main():
     if args.ckpt:
         layers, it = from_checkpoint(args.ckpt, args.tokens)
         cases[f"checkpoint (step {it})"] = layers
+    cases = {g: [tuple(t.to(args.device) for t in case) for case in layers] for g, layers in cases.items()}
     rows = measure(cases, [int(r) for r in args.ranks.split(",")], args.calls)
     if args.backward:
         rows += compare_backwards(cases, args.backward_rank, args.calls)
