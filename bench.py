@@ -15,6 +15,7 @@ import time
 import torch
 
 import fp4
+import kernels
 
 
 def bench(fn, warmup=3, reps=20):
@@ -66,11 +67,11 @@ def kernel_only(call):
     """Record the kernel launches of call() and return a function that replays just those launches
     (no allocation or argument checks): the kernels' own time."""
     import cupy as cp
-    fp4._LAUNCH_LOG = log = []
+    kernels.LAUNCH_LOG = log = []
     try:
         keep = call()
     finally:
-        fp4._LAUNCH_LOG = None
+        kernels.LAUNCH_LOG = None
     launches = [item for item in log if item[0] != "keepalive"]
 
     def replay():
@@ -372,41 +373,99 @@ def _fp8_model(model):
     return model
 
 
-def section_step(args):
+# The variants a Hopper user compares (SPEC 7): recipe names of model.RECIPES, "fp8-rowwise" (this
+# file's FP8 linear), and torchao's float8 training ("float8-tensorwise", "float8-rowwise"; skipped
+# with the reason where torchao is not installed). All convert the same block linears; lm_head,
+# embeddings, norms and attention stay BF16 everywhere.
+STEP_VARIANTS = ("bf16", "float8-tensorwise", "float8-rowwise", "quartet", "nvfp4", "quartet2", "fullstack")
+
+
+class SkipVariant(Exception):
+    pass
+
+
+def _torchao_float8(model, recipe_name):
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as err:
+        raise SkipVariant(f"torchao not installed ({err.__class__.__name__}: pip install torchao)")
+    config = Float8LinearConfig.from_recipe_name(recipe_name)
+    keep = lambda mod, name: "lm_head" not in name  # noqa: E731  the block linears, as the recipes
+    return convert_to_float8_training(model, config=config, module_filter_fn=keep)
+
+
+def _step_model(args, variant):
+    """The ~1B Llama for one step variant, on the GPU, with its optimizer (as train.py makes it)."""
     import model as llama
-    rows, base = [], None
-    for recipe in ("bf16", "fp8-rowwise", "quartet", "nvfp4", "quartet2", "fullstack"):
-        torch.manual_seed(0)
-        cfg = llama.config_for(args.model, block_size=args.seq)
-        net = llama.GPT(cfg).cuda()
-        net = _fp8_model(net) if recipe == "fp8-rowwise" else llama.apply_recipe(net, recipe)
+    torch.manual_seed(0)
+    cfg = llama.config_for(args.model, block_size=args.seq)
+    net = llama.GPT(cfg).cuda()
+    if variant.startswith("float8-"):
+        net = _torchao_float8(net, variant.split("-", 1)[1])
+    elif variant == "fp8-rowwise":
+        net = _fp8_model(net)
+    else:
+        net = llama.apply_recipe(net, variant)
         fp4.refit_lora(net)  # fullstack: fit L as train.py does at step 0 (no-op for the others)
-        opt = net.configure_optimizers(0.1, 1e-4, (0.9, 0.95))
-        idx = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device="cuda")
-        x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+    return net, net.configure_optimizers(0.1, 1e-4, (0.9, 0.95)), cfg
 
-        def step():
-            with torch.autocast("cuda", torch.bfloat16):
-                _, loss = net(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
 
-        step()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        ms = bench(step, warmup=1, reps=args.step_reps)
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        tok_s = args.batch * args.seq / (ms / 1000)
-        base = base or (tok_s, peak)
-        rows.append(dict(model=args.model, recipe=recipe, tokens_per_step=args.batch * args.seq,
-                         ms=round(ms, 1), tokens_per_s=round(tok_s), vs_bf16=round(tok_s / base[0], 3),
-                         peak_gib=round(peak, 2), mem_vs_bf16=round(peak / base[1], 3)))
-        del net, opt
-        torch.cuda.empty_cache()
-    print_table(rows, ["model", "recipe", "tokens_per_step", "ms", "tokens_per_s", "vs_bf16", "peak_gib", "mem_vs_bf16"])
+def _time_step(args, variant, compiled):
+    """Median step time and peak memory of one variant: autocast BF16 forward with the loss inside
+    the model, backward, fused AdamW, with the model torch.compile'd as train.py does."""
+    net, opt, cfg = _step_model(args, variant)
+    fwd = torch.compile(net) if compiled else net
+    idx = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device="cuda")
+    x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+    def step():
+        with torch.autocast("cuda", torch.bfloat16):
+            _, loss = fwd(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    t0 = time.perf_counter()
+    step()  # compiles (and warms up)
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
+    torch.cuda.reset_peak_memory_stats()
+    ms = bench(step, warmup=1, reps=args.step_reps)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    del net, opt, fwd
+    return ms, peak, warm_s
+
+
+def section_step(args):
+    """Tokens/s and peak memory per variant, compiled (the headline) and optionally eager, all
+    against the BF16 row of the same mode in the same run."""
+    variants = args.step_variants.split(",")
+    rows = []
+    for compiled in (True, False) if args.step_eager else (True,):
+        base = None
+        for variant in variants:
+            row = dict(model=args.model, variant=variant, mode="compiled" if compiled else "eager",
+                       tokens_per_step=args.batch * args.seq)
+            try:
+                ms, peak, warm_s = _time_step(args, variant, compiled)
+            except SkipVariant as why:
+                rows.append(dict(row, skipped=str(why)))
+                print(f"  {variant}: skipped: {why}")
+                continue
+            finally:
+                torch._dynamo.reset()
+                torch.cuda.empty_cache()
+            tok_s = args.batch * args.seq / (ms / 1000)
+            if variant == "bf16" and base is None:
+                base = (tok_s, peak)
+            rows.append(dict(row, ms=round(ms, 1), tokens_per_s=round(tok_s), peak_gib=round(peak, 2),
+                             first_step_s=round(warm_s, 1),
+                             vs_bf16=round(tok_s / base[0], 3) if base else None,
+                             mem_vs_bf16=round(peak / base[1], 3) if base else None))
+        mode = "compiled" if compiled else "eager"
+        print_table([r for r in rows if r["mode"] == mode and "ms" in r],
+                    ["model", "variant", "mode", "ms", "tokens_per_s", "vs_bf16", "peak_gib", "mem_vs_bf16", "first_step_s"])
     return rows
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -476,7 +535,157 @@ def section_overhead(args):
     return rows
 
 
-SECTIONS = {"overhead": section_overhead, "profile": section_profile, "kernels": section_kernels, "accum": section_accum, "linear": section_linear, "step": section_step}
+# ---------------------------------------------------------------------------------------------
+# ns: Newton-Schulz in FP4 (optim.py, SPEC 8.2): quality per design at every 2-D block shape of the
+# 30m and 1b models (runs on a CPU too), and GPU time per optimizer step of the 1B model
+
+NS_PRECISIONS = [("fp32", "-"), ("bf16", "-")] + [("nvfp4", d) for d in ("naive", "residual", "bf16_tail", "compensated_tail")]
+FP4_SPEEDUP = 4.0  # Blackwell: dense NVFP4 tensor-core rate / dense BF16 rate (B200 and RTX 5090 spec sheets)
+
+
+def ns_shapes(size):
+    """{name: (rows, cols)} of the block linears of model.SIZES[size] (nn.Linear weights: out x in)."""
+    import model as llama
+    c = llama.config_for(size)
+    hs = c.n_embd // c.n_head
+    return {"qkv": ((c.n_head + 2 * c.n_kv_head) * hs, c.n_embd), "o": (c.n_embd, c.n_embd),
+            "gate_up": (2 * c.ffn_hidden, c.n_embd), "down": (c.n_embd, c.ffn_hidden)}
+
+
+def power_law_matrix(shape, alpha, seed=0):
+    """U diag(i^-alpha) V^T with Haar-random U, V (FP64): a decaying spectrum of known SVD."""
+    g = torch.Generator().manual_seed(seed)
+    m, n = shape
+    k = min(m, n)
+    u, _ = torch.linalg.qr(torch.randn(m, k, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(n, k, generator=g, dtype=torch.float64))
+    return (u * torch.arange(1, k + 1, dtype=torch.float64) ** -alpha) @ v.T
+
+
+def momentum_matrices(path):
+    """{shape: a middle layer's momentum buffer} from a train.py checkpoint of a Muon/ROOT run."""
+    ck = torch.load(path, map_location="cpu", weights_only=False)
+    sd = ck["optimizer"]
+    parts = sd["parts"] if "parts" in sd else [sd]
+    found = {}
+    for part in parts:
+        for st in part["state"].values():
+            if "momentum_buffer" in st and st["momentum_buffer"].ndim == 2:
+                found.setdefault(tuple(st["momentum_buffer"].shape), []).append(st["momentum_buffer"].float())
+    return {shape: bufs[len(bufs) // 2] for shape, bufs in found.items()}
+
+
+def ns_quality(G, P, abc, precision, design):
+    """cosine of newton_schulz(G) to the exact polar factor P, its singular values, GEMM FLOP shares."""
+    import optim
+    stats = {}
+    X = optim.newton_schulz(G, 5, abc, precision, design if design != "-" else "compensated_tail", stats).double()
+    small = X if X.shape[0] <= X.shape[1] else X.T
+    s = torch.linalg.eigvalsh(small @ small.T).clamp(min=0).sqrt()  # singular values; faster than svdvals
+    total = sum(stats.values())
+    return dict(cos=round(float((X * P).sum() / (X.norm() * P.norm())), 4),
+                sv_min=round(float(s.min()), 3), sv_med=round(float(s.median()), 3), sv_max=round(float(s.max()), 3),
+                fp4_share=round(stats.get("nvfp4", 0) / total, 3),
+                gemm_flops=total,
+                _cost=stats.get("nvfp4", 0) / FP4_SPEEDUP + stats.get("bf16", 0) + stats.get("fp32", 0))
+
+
+def _ns_sources(shape, momenta):
+    """(source name, matrix, coefficients key) per input: a power-law spectrum (s_i = 1/i), a
+    Gaussian matrix (Marchenko-Pastur spectrum: flat, no dominant direction, the hard case), and
+    each run's momentum as Muon sees it (raw, Muon's coefficients) and as ROOT does
+    (soft-thresholded, ROOT's coefficients)."""
+    import optim
+    yield "power1", power_law_matrix(shape, 1.0), "root"
+    yield "gauss", torch.randn(*shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64), "root"
+    for tag, mats in momenta.items():
+        if shape in mats:
+            yield f"{tag}", mats[shape], "muon"
+            yield f"{tag}+soft", optim.soft_threshold(mats[shape], 0.9), "root"
+
+
+def section_ns(args):
+    import optim
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    momenta = {os.path.basename(os.path.dirname(p)) or p: momentum_matrices(p) for p in args.momentum}
+    rows = []
+    for size in args.ns_sizes.split(","):
+        for name, shape in ns_shapes(size).items():
+            for source, G, coef in _ns_sources(shape, momenta):
+                G = G.to(device)
+                u, _, vh = torch.linalg.svd(G.double(), full_matrices=False)
+                P = u @ vh  # the exact polar factor U V^T
+                abc = optim.ns_coefficients(shape, coef)
+                base = None
+                for precision, design in NS_PRECISIONS:
+                    t = time.time()
+                    r = ns_quality(G, P, abc, precision, design)
+                    base = base or r
+                    rows.append(dict(size=size, matrix=name, shape=f"{shape[0]}x{shape[1]}", source=source,
+                                     coef="muon" if abc == optim.MUON_COEFFICIENTS else "root",
+                                     precision=precision, design=design, **{k: v for k, v in r.items() if not k.startswith("_")},
+                                     d_cos_vs_bf16=None, cost_vs_bf16=round(r["_cost"] / base["_cost"], 3), s=round(time.time() - t, 1)))
+                    print_table_row(rows[-1], NS_COLS)
+                bf16 = next(r for r in rows[-len(NS_PRECISIONS):] if r["precision"] == "bf16")
+                for r in rows[-len(NS_PRECISIONS):]:
+                    r["d_cos_vs_bf16"] = round(r["cos"] - bf16["cos"], 4)
+    print()
+    print_table(rows, NS_COLS)
+    return rows
+
+
+NS_COLS = ["size", "matrix", "shape", "source", "coef", "precision", "design", "cos", "d_cos_vs_bf16",
+           "sv_min", "sv_med", "sv_max", "fp4_share", "cost_vs_bf16", "s"]
+
+
+def print_table_row(row, cols):
+    print("  ".join(_fmt(row.get(c)) for c in cols), flush=True)
+
+
+def section_ns_time(args):
+    """Newton-Schulz time per optimizer step for all 2-D hidden matrices of --model (4 per block),
+    per precision, on this GPU. blackwell_cost_vs_bf16 is a PROJECTION from the GEMM FLOPs
+    (NVFP4 at FP4_SPEEDUP x the BF16 rate, quantization passes not counted), not a measurement."""
+    import optim
+    shapes = [s for s in ns_shapes(args.model).values() for _ in range(llama_layers(args.model))]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    mats = {s: torch.randn(*s, device="cuda", generator=gen) for s in set(shapes)}
+    rows = []
+    for precision, design in [("fp32", "-"), ("bf16", "-"), ("nvfp4", "residual"), ("nvfp4", "bf16_tail"),
+                              ("nvfp4", "compensated_tail")]:
+        d = design if design != "-" else "compensated_tail"
+        stats = {}
+
+        def step(stats=None):
+            for s in shapes:
+                optim.newton_schulz(mats[s], 5, optim.ns_coefficients(s, "root"), precision, d, stats)
+
+        step(stats)
+        ms = bench(step, warmup=1, reps=3)
+        total = sum(stats.values())
+        cost = stats.get("nvfp4", 0) / FP4_SPEEDUP + stats.get("bf16", 0) + stats.get("fp32", 0)
+        rows.append(dict(model=args.model, matrices=len(shapes), precision=precision, design=design, ms=round(ms, 1),
+                         gemm_tflop=round(total / 1e12, 2), fp4_share=round(stats.get("nvfp4", 0) / total, 3),
+                         tflop_s=round(total / ms / 1e9), _cost=cost))
+    bf16 = next(r for r in rows if r["precision"] == "bf16")
+    for r in rows:
+        r["vs_bf16_ms"] = round(r["ms"] / bf16["ms"], 2)
+        r["blackwell_cost_vs_bf16_projected"] = round(r["_cost"] / bf16["_cost"], 3)
+    for r in rows:
+        del r["_cost"]
+    print_table(rows, ["model", "matrices", "precision", "design", "ms", "vs_bf16_ms", "gemm_tflop", "tflop_s",
+                       "fp4_share", "blackwell_cost_vs_bf16_projected"])
+    return rows
+
+
+def llama_layers(size):
+    import model as llama
+    return llama.config_for(size).n_layer
+
+
+SECTIONS = {"overhead": section_overhead, "profile": section_profile, "kernels": section_kernels, "accum": section_accum, "linear": section_linear, "step": section_step,
+            "ns": section_ns, "ns_time": section_ns_time}
+CPU_SECTIONS = {"ns"}  # sections that also run without a GPU
 
 
 def compare_runs(paths, out_png):
@@ -506,21 +715,27 @@ def main():
     ap.add_argument("--seq", type=int, default=2048, help="step: sequence length")
     ap.add_argument("--batch", type=int, default=8, help="step: sequences per step")
     ap.add_argument("--step-reps", type=int, default=4, help="step: timed steps")
+    ap.add_argument("--step-variants", default=",".join(STEP_VARIANTS),
+                    help="step: comma list (model.RECIPES names, fp8-rowwise, float8-tensorwise, float8-rowwise); bf16 first")
+    ap.add_argument("--step-eager", action="store_true", help="step: also time every variant eager (second table)")
+    ap.add_argument("--ns-sizes", default="30m,1b", help="ns: model.SIZES names whose block shapes to test")
+    ap.add_argument("--momentum", nargs="*", default=[], metavar="CKPT",
+                    help="ns: train.py checkpoints of Muon/ROOT runs whose momentum matrices to test")
     ap.add_argument("--compare", nargs="+", default=None, metavar="SUMMARY_JSON",
                     help="no benchmark: plot these train.py summaries into one PNG (--out names it)")
     args = ap.parse_args()
     if args.compare:
         return compare_runs(args.compare, args.out or "loss_curves.png")
-    if not torch.cuda.is_available():
-        raise SystemExit("bench.py needs a CUDA device")
+    if not torch.cuda.is_available() and set(args.sections.split(",")) - CPU_SECTIONS:
+        raise SystemExit(f"bench.py needs a CUDA device (without one, only --sections {','.join(CPU_SECTIONS)})")
     out = args.out or os.path.join("results", gpu_slug())
     os.makedirs(out, exist_ok=True)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, backends=fp4.backends(),
+    meta = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__, backends=fp4.backends(),
                 time=time.strftime("%Y-%m-%d %H:%M:%S"))
     for name in args.sections.split(","):
         print(f"\n== {name} ==")
         rows = SECTIONS[name](args)
-        meta["kernel_compiler"] = dict(fp4._KERNEL_COMPILER)
+        meta["kernel_compiler"] = dict(kernels.COMPILER)
         with open(os.path.join(out, f"bench_{name}.json"), "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
 

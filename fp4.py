@@ -1,5 +1,6 @@
 """
-FP4 training numerics: formats, quantizers, kernel dispatch, GEMM backends, FP4 linear layers.
+FP4 training numerics: formats, quantizers, GEMM backends, FP4 linear layers. On a GPU the
+quantizers run as CUDA kernels (kernels.cu), compiled and launched by kernels.py.
 
 Read top to bottom. The PyTorch reference in the first half is the *definition* of every
 number this project produces: the CUDA kernels (kernels.cu) and the GEMM backends are tested
@@ -16,9 +17,11 @@ Bit-exactness contract with the kernels (everything in FP32, no fused multiply-a
   - Block sums (QuEST's sigma, four_over_six's error, MS-EDEN's correction) are halving trees:
     element j is added to element j + n/2, then the first half is summed the same way. A warp's
     butterfly reduction (__shfl_xor 16, 8, 4, 2, 1 over one element per lane) gives exactly this.
-  - Stochastic rounding draws u = (hash(seed, index) >> 8) * 2^-24, index = row * K + k in the
-    QTensor's layout (quantized axis last), hash = lowbias32(lo32(index) ^ key(seed, index >> 32))
-    (see uniform). Round up iff u < (|v| - lo) / (hi - lo).
+  - Stochastic rounding (SPEC 4, revised 2026-12-01: the rule of FP4 hardware) takes 8 random
+    bits an element: element i = row * K + k of the QTensor's layout (quantized axis last) takes
+    byte i mod 4 of the word W(seed, i div 4), W(seed, j) = lowbias32(lo32(j) ^ key(seed, j >> 32))
+    (see random_bytes); code magnitude = ((floor(a * 256 / step) + byte) >> 8) * step.
+    MS-EDEN's E4M3 scale rounding keeps its own 24-bit draw (see uniform).
   - Random Hadamard signs: random_signs(n, seed), sign i = bit i mod 32 of
     lowbias32(seed + 0x632BE5AB * (i // 32 + 1)); the kernels derive the same bits from a
     DeviceSeed.
@@ -29,6 +32,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+import kernels  # the CUDA kernels' launchers (kernels.cu through CuPy)
 
 # ---------------------------------------------------------------------------------------------
 # E2M1: the FP4 element (SPEC 1)
@@ -55,17 +60,19 @@ def e2m1_encode(v):
     return _with_sign(code, v)
 
 
-def e2m1_encode_sr(v, u):
-    """Stochastic rounding to E2M1: between the grid neighbours lo <= |v| < hi round up with
-    probability (|v| - lo) / (hi - lo), i.e. iff u < frac(|v| / step), step = hi - lo = 0.5 below
-    2, 1 below 4, 2 above (both forms are exact in FP32). Saturates at 6; u in [0, 1)."""
+def e2m1_encode_sr(v, r):
+    """Stochastic rounding to E2M1 with 8 random bits an element (SPEC 4, revised; Blackwell's
+    cvt.rs): a = min(|v|, 6), step s = 0.5 below 2, 1 below 4, 2 above; the magnitude is
+    ((floor(a * 256 / s) + r) >> 8) * s for the element's random byte r in 0..255 (integer tensor).
+    a * 256 / s is a power-of-two scaling (exact), so P(round up) = floor(256 f) / 256 for the
+    fraction f of a / s: the hardware's bias toward zero below s / 256. NaN -> code 0."""
     a = v.abs().clamp(max=6.0)
-    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
-    w = a / step
-    lo = torch.floor(w)
-    n = lo + (u < (w - lo))  # multiples of step: 0..4 (step .5), 2..4 (step 1), 2..3 (step 2)
-    code = n + torch.where(a < 2, 0.0, torch.where(a < 4, 2.0, 4.0))
-    return _with_sign(torch.nan_to_num(code, nan=0.0).to(torch.uint8), v)
+    k = torch.where(a < 2, 512.0, torch.where(a < 4, 256.0, 128.0))  # 256 / s
+    t = torch.floor(a * k).nan_to_num(0.0).to(torch.int32)  # < 3072
+    n = (t + r.to(torch.int32)) >> 8  # multiples of s: 0..4 (s .5), 2..4 (s 1), 2..3 (s 2)
+    code = n + torch.where(a < 2, 0, torch.where(a < 4, 2, 4))
+    code = torch.where(torch.isnan(v), 0, code)
+    return _with_sign(code.to(torch.uint8), v)
 
 
 def _with_sign(code, v):
@@ -171,17 +178,30 @@ def hash_key(seed, hi=0):
     return _lowbias32_py((seed & _M32) + 0x9E3779B9 * (hi + 1))
 
 
-def uniform(seed, n, device="cpu"):
-    """n uniform FP32 numbers in [0, 1) for the element indices 0..n-1:
-    u[i] = (lowbias32(lo32(i) ^ key(seed, i >> 32)) >> 8) * 2^-24 (24 bits, exact in FP32)."""
+def _hash_words(seed, n, device="cpu"):
+    """lowbias32(lo32(j) ^ key(seed, j >> 32)) for j = 0..n-1, as int32 tensors holding uint32 bits."""
     out = []
     for start in range(0, n, 1 << 32):  # one key per 2^32 indices
         m = min(n - start, 1 << 32)
         idx = torch.arange(m, dtype=torch.int64, device=device)
         lo = (idx - (idx >= 1 << 31).long() * (1 << 32)).int()  # uint32 bits as int32
-        h = _lowbias32_i32(lo ^ _s32(hash_key(seed, start >> 32)))
-        out.append(((h >> 8) & 0xFFFFFF).float() * 2.0**-24)
+        out.append(_lowbias32_i32(lo ^ _s32(hash_key(seed, start >> 32))))
     return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def uniform(seed, n, device="cpu"):
+    """n uniform FP32 numbers in [0, 1) for the indices 0..n-1 (MS-EDEN's scale rounding):
+    u[i] = (lowbias32(lo32(i) ^ key(seed, i >> 32)) >> 8) * 2^-24 (24 bits, exact in FP32)."""
+    return ((_hash_words(seed, n, device) >> 8) & 0xFFFFFF).float() * 2.0**-24
+
+
+def random_bytes(seed, n, device="cpu"):
+    """Stochastic rounding's 8 random bits for the element indices 0..n-1 (SPEC 4): element i takes
+    byte i mod 4 (bits 8(i mod 4) .. 8(i mod 4) + 7) of the word W(seed, i div 4), one hash per four
+    elements, as Blackwell's cvt.rs consumes one 32-bit rbits word per four values. int32 0..255."""
+    words = _hash_words(seed, -(-n // 4), device)  # (n/4,)
+    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int32, device=device)
+    return ((words.unsqueeze(-1) >> shifts) & 0xFF).reshape(-1)[:n]
 
 
 def random_signs(n, seed, device="cpu"):
@@ -387,7 +407,7 @@ def quantize(x, fmt="mxfp4", axis=-1, scale_rule="absmax", rounding="rn", hadama
     k = xm.shape[-1]
     signs = _check_quantize(fmt, scale_rule, rounding, hadamard, signs, block2d, xm.shape, x.ndim)
     if x.is_cuda and kernels_enabled():
-        return _kernel_quantize(x, xm, fmt, axis, scale_rule, rounding, hadamard, signs, seed, block2d, fold)
+        return kernels.quantize(x, xm, fmt, axis, scale_rule, rounding, hadamard, signs, seed, block2d, fold)
     seed, signs = _host_rng(seed, signs)
     xf = xm.reshape(-1, k).float()  # (R, K)
     if hadamard:
@@ -422,7 +442,7 @@ def _pack_bits(m):
 def _round(v, rounding, seed):
     """v (R, K) -> codes; SR draws use the element index row * K + k."""
     if rounding == "sr":
-        return e2m1_encode_sr(v, uniform(seed, v.numel(), v.device).view(v.shape))
+        return e2m1_encode_sr(v, random_bytes(seed, v.numel(), v.device).view(v.shape))
     return e2m1_encode(v)
 
 
@@ -541,7 +561,7 @@ def _eden_scales(xb, codes, s, g, seed):
 def dequantize(q, dtype=torch.float32):
     """QTensor -> tensor of the input's shape (still rotated if a Hadamard was applied)."""
     if q.codes.is_cuda and kernels_enabled():
-        return _kernel_dequantize(q, dtype)
+        return kernels.dequantize(q, dtype)
     k = q.lead_shape[-1]
     codes = unpack(q.codes).reshape(-1, k // q.block, q.block)
     scales = q.scales.reshape(codes.shape[:-1])
@@ -585,7 +605,7 @@ def requantize(q, fmt=None, scale_rule="absmax", rounding="sr", hadamard=0, sign
     if q.codes.is_cuda and kernels_enabled():
         k = q.shape[1 - q.axis]
         signs = _check_quantize(fmt, scale_rule, rounding, hadamard, signs, False, (k,), 2)
-        return _kernel_requantize(q, fmt, scale_rule, rounding, hadamard, signs, seed)
+        return kernels.requantize(q, fmt, scale_rule, rounding, hadamard, signs, seed)
     seed, signs = _host_rng(seed, signs)
     return quantize(dequantize(q), fmt, 1 - q.axis, scale_rule, rounding, hadamard, signs, seed)
 
@@ -600,7 +620,7 @@ def fold_mx(q):
     if q.folded is not None:
         return q.folded
     if q.codes.is_cuda and kernels_enabled():
-        return _kernel_fold(q)
+        return kernels.fold(q)
     k = q.lead_shape[-1]
     codes = unpack(q.codes).reshape(-1, k // 32, 32)
     nan_block = q.scales.reshape(codes.shape[:-1]) == E8M0_NAN
@@ -682,15 +702,6 @@ def mm_backend(fmt, device):
 @functools.cache
 def _capability(index):  # asked on every GEMM: cached per device (a properties query otherwise)
     return torch.cuda.get_device_capability(index)
-
-
-_MX_ROWS_CTAS_PER_SM = 3  # kernels.cu's FP4_MX_MINB: quant_rows' MXFP4 CTAs resident on an SM
-_COLS_CTAS_PER_SM = 8  # quant_cols' launch bounds for G = 32 (128 threads, 64 registers)
-
-
-@functools.cache
-def _sm_count(index):  # the quantize kernels size their grid to one resident wave
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _dequantize_lead(q, dtype=torch.float32):
@@ -882,7 +893,7 @@ def _rotate_back(d, q, n):
     the inverse rotation (H is symmetric), computed in FP32 and rounded to d's dtype. On a GPU
     one kernel does it in one pass (rotate_back in kernels.cu), bit for bit."""
     if d.is_cuda and kernels_enabled() and q.mask is not None and n % 32 == 0:
-        return _kernel_rotate_back(d, q.mask, n)
+        return kernels.rotate_back(d, q.mask, n)
     m = q.clip_mask()
     return hadamard(d * m if m is not None else d, n)
 
@@ -1122,326 +1133,6 @@ def backends(device=None):
             "mm_nvfp4": mm_backend("nvfp4", dev), "fast_accum_bits": FAST_ACCUM_BITS}
 
 
-# ---------------------------------------------------------------------------------------------
-# CUDA kernels (kernels.cu through CuPy): dispatch. FP4_KERNELS=torch forces the reference.
-
 def kernels_enabled():
-    """True when CUDA tensors should go through kernels.cu (CuPy importable, not overridden)."""
-    return os.environ.get("FP4_KERNELS", "cuda") != "torch" and _cupy() is not None
-
-
-def _cupy():
-    try:
-        import cupy
-        return cupy
-    except Exception:  # ImportError, or a CuPy that finds no CUDA driver
-        return None
-
-
-
-_KERNELS_CU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cu")
-# IEEE FP32 as the reference computes it: no FMA contraction, subnormals kept, exact div/sqrt.
-_NVRTC_OPTIONS = ("-std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true")
-_SRC_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "mxfp4": 3, "nvfp4": 4}
-_RULE_ID = {"absmax": 0, "quest": 1, "four_over_six": 2}
-_ROUND_ID = {"rn": 0, "sr": 1, "eden": 2}
-_TILE_R = 128  # quant_cols' tile: 128 rows (the quantized axis) x 32 columns
-_LAUNCH_LOG = None  # a list to record launches (bench.py replays them to time kernels alone)
-
-
-_KERNEL_COMPILER = {}  # device index -> how kernels.cu was compiled there (bench.py records it)
-
-
-@functools.cache
-def _kernel_function(device_index, name):
-    """One kernels.cu template instantiation (e.g. 'quant_rows<1, 32, false, 1, 0>'), compiled by
-    NVRTC once per device and process. cupy.RawModule appends -ftz=true to the caller's options
-    (seen on the H200: subnormal inputs lost their sign), so NVRTC is driven directly through
-    CuPy's bindings; RawModule (flushing subnormals) is the fallback if those bindings move."""
-    cp = _cupy()
-    with open(_KERNELS_CU) as f:
-        code = f.read()
-    with cp.cuda.Device(device_index):
-        try:
-            fn = _nvrtc_function(cp, code, name, device_index)
-            _KERNEL_COMPILER[device_index] = "nvrtc " + " ".join(_NVRTC_OPTIONS)
-            return fn
-        except Exception:
-            module = cp.RawModule(code=code, options=_NVRTC_OPTIONS, name_expressions=(name,))
-            _KERNEL_COMPILER[device_index] = "cupy.RawModule (CuPy appends -ftz=true)"
-            return module.get_function(name)
-
-
-def _nvrtc_function(cp, code, name, device_index):
-    from cupy.cuda import function
-    from cupy_backends.cuda.libs import nvrtc
-    import hashlib
-    arch = f"--gpu-architecture=sm_{cp.cuda.Device(device_index).compute_capability}"
-    include = os.path.join(cp.cuda.get_cuda_path() or "/usr/local/cuda", "include")
-    key = hashlib.sha1("\0".join((code, name, arch, nvrtc.getVersion().__repr__()) + _NVRTC_OPTIONS).encode()).hexdigest()
-    cache = os.path.join(os.environ.get("FP4_KERNEL_CACHE", os.path.expanduser("~/.cache/fp4-kernels")), key)
-    if os.path.exists(cache + ".cubin") and os.path.exists(cache + ".name"):
-        module = function.Module()
-        with open(cache + ".cubin", "rb") as f:
-            module.load(f.read())
-        with open(cache + ".name") as f:
-            return module.get_function(f.read())
-    prog = nvrtc.createProgram(code, "kernels.cu", (), ())
-    try:
-        add = getattr(nvrtc, "addNameExpression", None) or getattr(nvrtc, "addAddNameExpression")
-        add(prog, name)
-        try:
-            nvrtc.compileProgram(prog, _NVRTC_OPTIONS + (arch, f"--include-path={include}"))
-        except Exception as err:
-            raise RuntimeError(f"{err}\n{nvrtc.getProgramLog(prog)}") from err
-        cubin = nvrtc.getCUBIN(prog)
-        lowered = nvrtc.getLoweredName(prog, name)
-    finally:
-        nvrtc.destroyProgram(prog)
-    try:  # a disk cache like CuPy's: NVRTC takes seconds for the 128-element groups
-        os.makedirs(os.path.dirname(cache), exist_ok=True)
-        tmp = f"{cache}.{os.getpid()}.tmp"
-        for ext, data in ((".name", lowered.encode()), (".cubin", cubin)):  # atomic, name first
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, cache + ext)
-    except OSError:
-        pass
-    module = function.Module()
-    module.load(cubin)
-    return module.get_function(lowered)
-
-
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what inductor uses
-
-
-def _launch(device, name, grid, block, args):
-    """Launch on torch's current stream of `device`; args are numpy scalars (pointers as uint64)."""
-    current = torch.cuda.current_device()
-    index = device.index if device.index is not None else current
-    fn = _kernel_function(index, name)
-    if _LAUNCH_LOG is not None:
-        _LAUNCH_LOG.append((fn, index, grid, block, args))
-    ptr = _raw_stream(index) if _raw_stream else torch.cuda.current_stream(index).cuda_stream
-    if index == current:  # CuPy launches on the current device: no context switch needed
-        fn(grid, block, args, stream=_cupy_stream(ptr, index))
-    else:
-        with _cupy().cuda.Device(index):
-            fn(grid, block, args, stream=_cupy_stream(ptr, index))
-
-
-@functools.lru_cache(maxsize=64)
-def _cupy_stream(ptr, index):
-    """CuPy's handle on one of torch's streams, made once per stream (not once per launch)."""
-    import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # ExternalStream: fine for a raw pointer
-        return _cupy().cuda.ExternalStream(ptr, index)
-
-
-def _ptr(t):
-    import numpy as np
-    return np.uint64(0 if t is None else t.data_ptr())
-
-
-def _aligned(t):
-    return t.is_contiguous() and t.data_ptr() % 16 == 0
-
-
-def _sign_words(signs):
-    """+-1 CPU signs (n <= 128,) -> 4 uint32 words (kernel arguments by value), bit i of word w
-    set iff sign 32w + i is -1; words past n are 0."""
-    words = [0, 0, 0, 0]
-    for i, neg in enumerate((signs < 0).tolist()):
-        words[i // 32] |= int(neg) << (i % 32)
-    return words
-
-
-def _rng_args(signs, seed, device):
-    """(has_signs, 4 sign words, seed, key0, device seed tensor) for a kernel launch. A DeviceSeed
-    passes its tensor and its offset (the kernel adds them and derives key0); DeviceSigns pass
-    has_signs = 2 and their seed's offset in word 0 (the kernel derives the words)."""
-    if isinstance(seed, DeviceSeed):
-        if seed.t.device != device:
-            raise ValueError(f"DeviceSeed on {seed.t.device}, tensor on {device}")
-        if isinstance(signs, DeviceSigns):
-            if signs.seed.t is not seed.t:
-                raise ValueError("DeviceSigns must share the DeviceSeed's tensor")
-            return 2, [signs.seed.offset & _M32, 0, 0, 0], seed.offset & _M32, 0, seed.t
-        words = _sign_words(signs) if signs is not None else [0, 0, 0, 0]
-        return int(signs is not None), words, seed.offset & _M32, 0, seed.t
-    if isinstance(signs, DeviceSigns):
-        raise ValueError("DeviceSigns need a DeviceSeed seed")
-    words = _sign_words(signs) if signs is not None else [0, 0, 0, 0]
-    return int(signs is not None), words, seed & _M32, hash_key(seed, 0), None
-
-
-def _mx_rows_layout(scale_rule, rounding):
-    """MXFP4 quant_rows layout: 'quad' (G = 8: 8 elements a thread, 4 lanes a 32-block, shuffles)
-    or 'group' (G = 32: one thread a block). Both are bit-exact; they differ in speed only. The
-    kernels are issue-bound on the H200, and 'group' needs fewer SASS instructions per element in
-    every MXFP4 case (no shuffles, no per-lane copies of the scale computation), so it is the
-    default until timed otherwise; FP4_MX_ROWS=quad|group selects (bench.py can time both)."""
-    forced = os.environ.get("FP4_MX_ROWS")
-    return forced if forced in ("quad", "group") else "group"
-
-
-def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, signs, seed, block2d, fold=False):
-    """Run quant_rows (kind 'rows': quantize the (r, k) row-major src along k) or quant_cols
-    (kind 'cols': along r; src dense (r, k), or qin a QTensor whose codes (r, k/2) are the input).
-    Returns codes, scales, tensor scale, mask in the QTensor layout (rows, K) of the output, and
-    fold_mx's outputs when `fold` asked for them and quant_rows_fold applies (else None)."""
-    import numpy as np
-    dev = src.device
-    bs = FORMATS[fmt]
-    nv = fmt == "nvfp4"
-    rows, kq = (r, k) if kind == "rows" else (k, r)  # output layout: quantized axis kq last
-    g_size = max(bs, hadamard, EDEN_GROUP if rounding == "eden" else 0)
-    if fold and kind == "rows" and not nv and g_size == 32 and k // 32 <= 1024:
-        return _quant_rows_fold(src, r, k, scale_rule, rounding, hadamard, signs, seed)
-    if kind == "rows" and not nv and g_size == 32 and _mx_rows_layout(scale_rule, rounding) == "quad":
-        g_size = 8  # quant_rows<..., 8, ...>: the warp-cooperative MXFP4 variant (8 elements a thread)
-    src_kind = _SRC_KIND[src.dtype] if qin is None else _SRC_KIND[qin.fmt]
-    codes = torch.empty(rows, kq // 2, dtype=torch.uint8, device=dev)
-    scales = torch.empty(rows, kq // bs, dtype=torch.uint8, device=dev)
-    mask = torch.empty(rows, kq // 8, dtype=torch.uint8, device=dev) if scale_rule == "quest" else None
-    has_signs, signw, seed_arg, key0, dseed = _rng_args(signs, seed, dev)
-    amax = torch.zeros(1, dtype=torch.int32, device=dev) if nv else None
-    tiles = torch.zeros(rows // 16, kq // 16, dtype=torch.int32, device=dev) if block2d else None
-    g = None
-    if _LAUNCH_LOG is not None:
-        _LAUNCH_LOG.append(("keepalive", amax, tiles))
-    name = (f"{'quant_rows' if kind == 'rows' else 'quant_cols'}<{src_kind}, {g_size}, {str(nv).lower()}, "
-            f"{_RULE_ID[scale_rule]}, {_ROUND_ID[rounding]}>")
-    if kind == "rows":
-        n = r * (k // g_size)
-        if n >= 1 << 32:
-            raise ValueError(f"tensor too large for the quantize kernel ({r} x {k})")
-        if g_size == 8:  # warp-cooperative MXFP4: 8 elements a thread, 4 chunks in flight, one trip
-            grid, block = (-(-n // (256 * 4)),), (256,)
-        elif not nv and g_size == 32:  # mx_rows: one resident wave, each thread loops over groups
-            grid, block = (min(-(-n // 256), _MX_ROWS_CTAS_PER_SM * _sm_count(dev.index)),), (256,)
-        else:
-            grid, block = (min(-(-n // 256), 1 << 20),), (256,)
-        head = (_ptr(src), np.uint32(r), np.uint32(k))
-    else:
-        ntiles = -(-k // 32) * -(-r // _TILE_R)
-        if ntiles >= 1 << 31:
-            raise ValueError(f"tensor too large for the transposing kernel ({r} x {k})")
-        # G = 32: one resident wave looping over the tiles; else (NVFP4, wide Hadamards: few threads
-        # a CTA, registers decide the residency) one CTA a tile
-        ctas = min(ntiles, _COLS_CTAS_PER_SM * _sm_count(dev.index)) if g_size == 32 else ntiles
-        grid, block = (ctas,), (32 * _TILE_R // g_size,)
-        head = (_ptr(src), _ptr(None if qin is None else qin.scales),
-                _ptr(None if qin is None else qin.tensor_scale), np.uint32(r), np.uint32(k))
-    hs = np.float32(_hadamard_scale(hadamard) if hadamard else 0.0)
-
-    def args(pass_, g_):
-        return head + (np.int32(hadamard), hs, np.int32(has_signs), *(np.uint32(w) for w in signw),
-                       np.uint32(seed_arg), np.uint32(key0), _ptr(dseed), np.int32(pass_), _ptr(codes), _ptr(scales), _ptr(mask), _ptr(g_), _ptr(amax), _ptr(tiles))
-
-    if nv:  # pre-pass: amax over the finite (rotated) blocks -> g (fp4._tensor_scale); tile amax
-        _launch(dev, name, grid, block, args(1, None))
-        finite_amax = amax.view(torch.float32).reshape(())
-        g = finite_amax / torch.full_like(finite_amax, 6 * E4M3_MAX)  # a true division on any device
-        g = torch.where(finite_amax > 0, g, torch.ones_like(g))
-    _launch(dev, name, grid, block, args(0, g))
-    return codes, scales, g, mask, None
-
-
-def _quant_rows_fold(src, r, k, scale_rule, rounding, hadamard, signs, seed):
-    """MXFP4 along the rows of src (r, k) with the Hopper fold emitted by the same kernel: one
-    CTA holds whole rows (k / 32 threads a row, rounded up to a warp)."""
-    import numpy as np
-    dev = src.device
-    tpr = -(-(k // 32) // 32) * 32
-    rpc = max(1, 256 // tpr)
-    codes = torch.empty(r, k // 2, dtype=torch.uint8, device=dev)
-    scales = torch.empty(r, k // 32, dtype=torch.uint8, device=dev)
-    mask = torch.empty(r, k // 8, dtype=torch.uint8, device=dev) if scale_rule == "quest" else None
-    f8 = torch.empty(r, k, dtype=torch.uint8, device=dev)
-    rowscale = torch.empty(r, dtype=torch.float32, device=dev)
-    has_signs, signw, seed_arg, key0, dseed = _rng_args(signs, seed, dev)
-    hs = np.float32(_hadamard_scale(hadamard) if hadamard else 0.0)
-    name = f"quant_rows_fold<{_SRC_KIND[src.dtype]}, {_RULE_ID[scale_rule]}, {_ROUND_ID[rounding]}>"
-    # about one resident wave (64 registers a thread: 1024 threads an SM), looping over row groups
-    grid = min(-(-r // rpc), max(1, 1024 // (tpr * rpc)) * _sm_count(dev.index))
-    _launch(dev, name, (grid,), (tpr, rpc),
-            (_ptr(src), np.uint32(r), np.uint32(k), np.int32(hadamard), hs, np.int32(has_signs),
-             *(np.uint32(w) for w in signw), np.uint32(seed_arg), np.uint32(key0), _ptr(dseed),
-             _ptr(codes), _ptr(scales), _ptr(mask), _ptr(f8), _ptr(rowscale)))
-    return codes, scales, None, mask, (f8.view(torch.float8_e4m3fn), rowscale)
-
-
-def _kernel_quantize(x, xm, fmt, axis, scale_rule, rounding, hadamard, signs, seed, block2d, fold=False):
-    """fp4.quantize through quant_rows / quant_cols; quantize() has checked the options and moved
-    the quantized axis last (xm)."""
-    k = xm.shape[-1]
-    lead = xm.shape[:-1]
-    r = xm.numel() // k
-    xt = x.detach()
-    if x.ndim == 2 and axis == 0 and not _aligned(xm) and _aligned(xt):
-        codes, scales, g, mask, folded = _quant_launch("cols", xt, None, k, r, fmt, scale_rule, rounding,
-                                                       hadamard, signs, seed, block2d)
-    else:
-        src = xm if _aligned(xm) else xm.contiguous()
-        src = src if _aligned(src) else src.clone()  # a view at an odd offset: realign
-        codes, scales, g, mask, folded = _quant_launch("rows", src, None, r, k, fmt, scale_rule, rounding,
-                                                       hadamard, signs, seed, block2d, fold)
-    mask = None if mask is None else mask.view(*lead, k // 8)
-    return QTensor(codes.view(*lead, k // 2), scales.view(*lead, -1), g, fmt, tuple(x.shape), axis, mask, folded)
-
-
-def _kernel_dequantize(q, dtype):
-    """fp4.dequantize through the dequant kernel (f32, bf16, f16 written directly)."""
-    import numpy as np
-    lead = q.lead_shape
-    k = lead[-1]
-    r = q.codes.numel() * 2 // k
-    out_kind = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)
-    out = torch.empty(lead, dtype=dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32,
-                      device=q.codes.device)
-    n = r * k // 8
-    _launch(q.codes.device, f"dequant<{out_kind}>", (min(-(-n // 256), 1 << 20),), (256,),
-            (_ptr(q.codes.contiguous()), _ptr(q.scales.contiguous()), _ptr(q.tensor_scale), np.uint32(r),
-             np.uint32(k), np.int32(q.fmt == "nvfp4"), _ptr(out)))
-    return out.movedim(-1, q.axis).to(dtype)
-
-
-def _kernel_requantize(q, fmt, scale_rule, rounding, hadamard, signs, seed):
-    """fp4.requantize in one pass: quant_cols with the QTensor's codes as input (dequantize in the
-    tile load, transpose through shared memory, rotate, scale, round, pack); requantize() has
-    checked the options."""
-    axis = 1 - q.axis
-    r_in, k_in = q.lead_shape  # the input layout; the output's quantized axis is r_in (== k)
-    src = q if q.codes.is_contiguous() and q.scales.is_contiguous() else QTensor(
-        q.codes.contiguous(), q.scales.contiguous(), q.tensor_scale, q.fmt, q.shape, q.axis, q.mask)
-    codes, scales, g, mask, _ = _quant_launch("cols", src.codes, src, r_in, k_in, fmt, scale_rule, rounding,
-                                              hadamard, signs, seed, False)
-    return QTensor(codes, scales, g, fmt, tuple(q.shape), axis, mask)
-
-
-def _kernel_fold(q):
-    """fp4.fold_mx through the fold_mx kernel (one warp per row: row max of block exponents)."""
-    import numpy as np
-    k = q.lead_shape[-1]
-    r = q.codes.numel() * 2 // k
-    elems = torch.empty(r, k, dtype=torch.uint8, device=q.codes.device)
-    rows = torch.empty(r, dtype=torch.float32, device=q.codes.device)
-    _launch(q.codes.device, "fold_mx", (min(-(-r // 8), 1 << 16),), (256,),
-            (_ptr(q.codes.contiguous()), _ptr(q.scales.contiguous()), np.uint32(r), np.uint32(k), _ptr(elems), _ptr(rows)))
-    return elems.view(torch.float8_e4m3fn), rows
-
-
-def _kernel_rotate_back(d, mask, n):
-    """fp4._rotate_back through the rotate_back kernel: mask, Hadamard-n, rounding to d's dtype."""
-    import numpy as np
-    k = d.shape[-1]
-    r = d.numel() // k
-    src = d if _aligned(d) else d.contiguous().clone()
-    mask = mask.contiguous()
-    out = torch.empty(d.shape, dtype=d.dtype, device=d.device)
-    groups = r * (k // n)
-    _launch(d.device, f"rotate_back<{_SRC_KIND[d.dtype]}, {n}>", (min(-(-groups // 256), 1 << 20),), (256,),
-            (_ptr(src), _ptr(mask), np.uint32(r), np.uint32(k), np.float32(_hadamard_scale(n)), _ptr(out)))
-    return out
+    """True when CUDA tensors go through kernels.cu (CuPy importable, FP4_KERNELS not 'torch')."""
+    return kernels.enabled()

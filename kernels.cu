@@ -5,8 +5,13 @@
 // FP32 arithmetic in the reference's order, no FMA contraction (compile with --fmad=false; the
 // sums of products below also use __fmul_rn/__fadd_rn; the few explicit __fmaf_* compute one
 // rounding of an exact product, e.g. fma(b, -1, a) == a - b), the Hadamard butterfly over strides
-// 1, 2, ..., n/2 then one multiply by the FP32 1/sqrt(n), halving-tree block sums, and the SR
-// draws u = (lowbias32(lo32(i) ^ key(seed, i >> 32)) >> 8) * 2^-24 of fp4.uniform.
+// 1, 2, ..., n/2 then one multiply by the FP32 1/sqrt(n), halving-tree block sums, and stochastic
+// rounding with 8 random bits an element (SPEC 4, revised): element i takes byte i mod 4 of the word
+// lowbias32(lo32(i / 4) ^ key(seed, i / 4 >> 32)) (fp4.random_bytes), one hash per 4 elements;
+// MS-EDEN's scale rounding keeps the 24-bit u = (lowbias32(lo32(i) ^ key) >> 8) * 2^-24 (fp4.uniform).
+// On sm_100a / sm_103a the E2M1 SR encode is Blackwell's cvt.rs.satfinite.e2m1x4.f32 (SR_CVT_RS):
+// its rbits byte -> operand mapping is drawn only in the PTX ISA's figure and is NOT confirmed on
+// hardware (no such GPU here); everywhere else the same rule is computed in FP32 / integers.
 //
 // Kernels (SRC: 0 f32, 1 bf16, 2 f16 dense input; 3 mxfp4, 4 nvfp4 QTensor input.
 //          G: elements one thread holds = max(block, Hadamard size, 128 for MS-EDEN)):
@@ -128,15 +133,19 @@ __device__ __forceinline__ float e2m1_rn_f(float v) {
   float y3 = __fmaf_rn(a, 0.5f, 8388612.0f);
   return fminf(fminf(y1, y2), SAT ? fminf(y3, 8388615.0f) : y3);
 }
-// SR: the reference's floor(w) + (u < w - floor(w)) is ceil(w - u) (w - floor(w) - u in (-1, 1)).
-// RU(w - u) keeps its ceiling (integers are floats), and RU(d + M') = M' + ceil(d) while the sum
-// stays in [2^23, 2^24): M' = 2^23 + 8 + base, d > -1. nu = -u. Returns 2^23 + 8 + code.
+// SR with 8 random bits (SPEC 4, fp4.e2m1_encode_sr): the code is floor(f(a) + r/256), r the random
+// byte, f the piecewise map above (floor(a 256 / s) + r >> 8 is floor(a / s + r / 256); adding r/256
+// to all three pieces keeps the smallest one smallest, and floor is monotone, so the minimum of the
+// floors is the floor of the active piece). RD(fma(a, m, 1 + r/256)) has the exact sum's floor (a
+// rounding down never crosses an integer, and integers are floats), and RD(y + 2^23 + 7 + k) =
+// 2^23 + 8 + k + floor(y) - 1 while the sum stays in [2^23, 2^24). rr1 = 1 + r/256 (sr_rr1).
+// Returns 2^23 + 8 + code. SAT = false: the caller guarantees |v| <= 6.
 template <bool SAT = true>
-__device__ __forceinline__ float e2m1_sr_f(float v, float nu) {
+__device__ __forceinline__ float e2m1_sr_f(float v, float rr1) {
   float a = SAT ? fminf(fabsf(v), 6.0f) : fabsf(v);
-  float y1 = __fadd_ru(__fmaf_ru(a, 2.0f, nu), 8388616.0f);
-  float y2 = __fadd_ru(__fadd_ru(a, nu), 8388618.0f);
-  float y3 = __fadd_ru(__fmaf_ru(a, 0.5f, nu), 8388620.0f);
+  float y1 = __fadd_rd(__fmaf_rd(a, 2.0f, rr1), 8388615.0f);
+  float y2 = __fadd_rd(__fadd_rd(a, rr1), 8388617.0f);
+  float y3 = __fadd_rd(__fmaf_rd(a, 0.5f, rr1), 8388619.0f);
   return fminf(fminf(y1, y2), y3);
 }
 #define E2M1_RN_BASE 0x4B000000u  // bits of 2^23: e2m1_rn_f's offset
@@ -151,33 +160,40 @@ __device__ __forceinline__ float with_sign8(float r, float v) {
   return __fmaf_rn(v < 0.0f ? 1.0f : 0.0f, 8.0f, r);
 }
 
-// SR uniforms of 8 consecutive indices lo8 + i (lo8 % 8 == 0): lowbias32((lo8 + i) ^ key) = the
-// mixer of z ^ i with z = y ^ (y >> 16), y = lo8 ^ key (i < 8 leaves the first step alone).
-// -u = -(h >> 8) * 2^-24 = -float(h & ~0xFF) * 2^-32 (24 significant bits: exact).
-__device__ __forceinline__ u32 sr_z8(u32 key, u32 lo8) {
-  u32 y = lo8 ^ key;
-  return y ^ (y >> 16);
+// SR's random words (fp4.random_bytes): word j = lowbias32(lo32(j) ^ key), key = key(seed, j >> 32);
+// element i takes byte i mod 4 of word i / 4. A group of G elements starts at a multiple of G, so
+// its words share one key: key_for(seed, key0, i0) for the group's first element i0.
+__device__ __forceinline__ u32 sr_key(u32 seed, u32 key0, u64 i0) {
+  const u64 j = i0 >> 2;
+  return (j >> 32) ? hash_key(seed, (u32)(j >> 32)) : key0;
 }
-__device__ __forceinline__ float sr_negu(u32 z, u32 i) {
-  u32 x = z ^ i;
-  x *= 0x7FEB352Du;
-  x ^= x >> 15;
-  x *= 0x846CA68Bu;
-  x = (x ^ (x >> 16)) & 0xFFFFFF00u;
-  return __uint2float_rn(x) * -2.3283064365386963e-10f;  // * -2^-32
+__device__ __forceinline__ u32 sr_word(u32 key, u64 i0) { return lowbias32((u32)(i0 >> 2) ^ key); }
+// 1 + (byte b of w) / 256 as FP32, exactly: the byte becomes mantissa bits 15..22 of 1.0.
+__device__ __forceinline__ float sr_rr1(u32 w, int b) {
+  return __uint_as_float(0x3F800000u | (((w >> (8 * b)) & 0xFFu) << 15));
 }
 
-// E2M1 stochastic rounding (fp4.e2m1_encode_sr), v not NaN, u in [0, 1).
-__device__ __forceinline__ u32 e2m1_sr_mag(float v, float u) {
+// E2M1 stochastic rounding of the magnitude (fp4.e2m1_encode_sr), v not NaN, r the random byte:
+// ((floor(a * 256 / s) + r) >> 8) multiples of s, in integers (a * 256 / s is exact, < 3072).
+__device__ __forceinline__ u32 e2m1_sr_mag(float v, u32 r) {
   float a = fminf(fabsf(v), 6.0f);
-  float inv = a < 2.0f ? 2.0f : (a < 4.0f ? 1.0f : 0.5f);
+  float k = a < 2.0f ? 512.0f : (a < 4.0f ? 256.0f : 128.0f);
   u32 base = a < 2.0f ? 0u : (a < 4.0f ? 2u : 4u);
-  float w = a * inv;  // a / step, exact
-  float t = __fadd_rd(w, 8388608.0f);  // floor(w) + 2^23
-  float lo = t - 8388608.0f;
-  u32 n = (__float_as_uint(t) - 0x4B000000u) + (u < w - lo ? 1u : 0u);
-  return n + base;
+  return ((__float2uint_rz(__fmul_rn(a, k)) + r) >> 8) + base;
 }
+
+#if defined(__CUDA_ARCH_FEAT_SM100_ALL) || defined(__CUDA_ARCH_FEAT_SM103_ALL)
+#define SR_CVT_RS 1
+// Blackwell's hardware SR (PTX ISA 8.7, sm_100a / sm_103a): four magnitudes (the sign is added by
+// the caller, as the reference's v < 0 test, so -0.0 stays code 0), one rbits word. ASSUMED: value
+// k (x0 first) lands in nibble k and takes rbits byte k; unconfirmed on hardware (see the top).
+__device__ __forceinline__ u32 e2m1x4_rs(float x0, float x1, float x2, float x3, u32 rbits) {
+  unsigned short d;
+  asm("cvt.rs.satfinite.e2m1x4.f32 %0, {%1, %2, %3, %4}, %5;"
+      : "=h"(d) : "f"(fabsf(x3)), "f"(fabsf(x2)), "f"(fabsf(x1)), "f"(fabsf(x0)), "r"(rbits));
+  return d;
+}
+#endif
 
 // E2M1 code -> FP32 (fp4.e2m1_decode). Codes 2..7 are 2^((c >> 1) - 1) * (1 + (c & 1) / 2), whose
 // FP32 bits are (c + 252) << 22; code 1 is 0.5, code 0 is 0.
@@ -369,7 +385,7 @@ __device__ __forceinline__ float e2m1_rn_scaled(float x, float i1, float i2, flo
 template <int G, int RULE, int RND>
 __device__ __forceinline__ void quant_group_mx(float (&x)[G], const QParams& p, u64 base,
                                                u32* cw_out = nullptr, int* e_out = nullptr) {
-  const u32 key = (base >> 32) ? hash_key(p.seed, (u32)(base >> 32)) : p.key0;
+  const u32 key = RND == ROUND_SR ? sr_key(p.seed, p.key0, base) : 0u;
   u32 cw[G / 8];
   u32 mw[G / 32];
 #pragma unroll
@@ -418,16 +434,36 @@ __device__ __forceinline__ void quant_group_mx(float (&x)[G], const QParams& p, 
 #pragma unroll
       for (int j = 0; j < 4; j++) cw[4 * b + j] = bad ? 0u : w[j] - nibble_base(E2M1_RN_BASE2);
     } else {
+      u32 rw[8];  // the block's 8 random words: one hash per 4 elements
+#pragma unroll
+      for (int k = 0; k < 8; k++) rw[k] = sr_word(key, base + 32 * b + 4 * k);
+#ifdef SR_CVT_RS
+#pragma unroll
+      for (int k = 0; k < 8; k++) {
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) v[i] = __fmul_rn(xb[4 * k + i], inv);
+        u32 c = e2m1x4_rs(v[0], v[1], v[2], v[3], rw[k]);
+#pragma unroll
+        for (int i = 0; i < 4; i++) c |= (v[i] < 0.0f ? 8u : 0u) << (4 * i);
+        w[k / 2] |= c << (16 * (k & 1));
+      }
+#pragma unroll
+      for (int i = 31; i >= 0; i--)
+        if (RULE == RULE_QUEST) m = __funnelshift_l(__float_as_uint(__fsub_rn(t6, fabsf(xb[i]))), m, 1);
+#pragma unroll
+      for (int j = 0; j < 4; j++) cw[4 * b + j] = bad ? 0u : w[j];
+#else
 #pragma unroll
       for (int i = 31; i >= 0; i--) {
-        const u32 z = sr_z8(key, (u32)base + 32 * b + (i & ~7));
         float v = __fmul_rn(xb[i], inv);
-        float r = e2m1_sr_f<RULE != RULE_ABSMAX>(v, sr_negu(z, i & 7));
+        float r = e2m1_sr_f<RULE != RULE_ABSMAX>(v, sr_rr1(rw[i / 4], i % 4));
         w[i / 8] += __float_as_uint(with_sign8(r, v)) << (4 * (i % 8));
         if (RULE == RULE_QUEST) m = __funnelshift_l(__float_as_uint(__fsub_rn(t6, fabsf(xb[i]))), m, 1);
       }
 #pragma unroll
       for (int j = 0; j < 4; j++) cw[4 * b + j] = bad ? 0u : w[j] - nibble_base(E2M1_SR_BASE);
+#endif
     }
     m = ~m;
     mw[b] = bad ? 0u : m;
@@ -474,7 +510,7 @@ __device__ __forceinline__ void quant_group_nv(float (&x)[G], const QParams& p, 
     if (fm) atomicMax(p.amax, fm);
     return;
   }
-  const u32 key = (base >> 32) ? hash_key(p.seed, (u32)(base >> 32)) : p.key0;
+  const u32 key = RND == ROUND_SR ? sr_key(p.seed, p.key0, base) : 0u;
   const float g = *p.g;
   u32 cw[G / 8];
   u32 sc[G / 16];
@@ -497,13 +533,29 @@ __device__ __forceinline__ void quant_group_nv(float (&x)[G], const QParams& p, 
 #pragma unroll
     for (int j = 0; j < 16; j += 8) {
       u32 w = 0;
+      u32 rw[2] = {0u, 0u};
+      if constexpr (RND == ROUND_SR) {
+        rw[0] = sr_word(key, base + 16 * b + j);
+        rw[1] = sr_word(key, base + 16 * b + j + 4);
+      }
+      float v[8];
 #pragma unroll
-      for (int i = 0; i < 8; i++) {
-        float v = __fdiv_rn(xb[j + i], den);
-        u32 c;
-        if constexpr (RND == ROUND_SR) c = e2m1_sr_mag(v, uniform_at(key, (u32)base + 16 * b + j + i));
-        else c = e2m1_rn_mag(v);
-        w |= (c | e2m1_sign(v)) << (4 * i);
+      for (int i = 0; i < 8; i++) v[i] = __fdiv_rn(xb[j + i], den);
+#ifdef SR_CVT_RS
+      if constexpr (RND == ROUND_SR) {
+        w = e2m1x4_rs(v[0], v[1], v[2], v[3], rw[0]) | (e2m1x4_rs(v[4], v[5], v[6], v[7], rw[1]) << 16);
+#pragma unroll
+        for (int i = 0; i < 8; i++) w |= e2m1_sign(v[i]) << (4 * i);
+      } else
+#endif
+      {
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+          u32 c;
+          if constexpr (RND == ROUND_SR) c = e2m1_sr_mag(v[i], (rw[i / 4] >> (8 * (i % 4))) & 0xFFu);
+          else c = e2m1_rn_mag(v[i]);
+          w |= (c | e2m1_sign(v[i])) << (4 * i);
+        }
       }
       cw[(16 * b + j) / 8] = bad ? 0u : w;
     }
@@ -669,17 +721,18 @@ __device__ __forceinline__ void mx_chunk(float (&x)[8], const MxArgs& a, u32 q, 
   e = bad ? 0 : max(-127, min(127, e));
   const float inv = exp2i(-e);
   const u64 i0 = c * 8;  // element index of x[0] in the output layout
-  u32 z = 0;
+  u32 rw[2] = {0u, 0u};  // the chunk's two random words (one hash per 4 elements)
   if constexpr (RND == ROUND_SR) {
-    const u32 key = (i0 >> 32) ? hash_key(a.seed, (u32)(i0 >> 32)) : a.key0;
-    z = sr_z8(key, (u32)i0);
+    const u32 key = sr_key(a.seed, a.key0, i0);
+    rw[0] = sr_word(key, i0);
+    rw[1] = sr_word(key, i0 + 4);
   }
   u32 w = 0, m8 = 0;
 #pragma unroll
   for (int i = 0; i < 8; i++) {
     float v = __fmul_rn(x[i], inv);
     float r;
-    if constexpr (RND == ROUND_SR) r = e2m1_sr_f<RULE != RULE_ABSMAX>(v, sr_negu(z, i));
+    if constexpr (RND == ROUND_SR) r = e2m1_sr_f<RULE != RULE_ABSMAX>(v, sr_rr1(rw[i / 4], i % 4));
     else r = e2m1_rn_f<RULE != RULE_ABSMAX>(v);
     w += __float_as_uint(with_sign8(r, v)) << (4 * i);
     if (RULE == RULE_QUEST && !(fabsf(v) > 6.0f)) m8 |= 1u << i;

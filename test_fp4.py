@@ -186,6 +186,37 @@ def test_quest_mask_and_constant_block():
     assert bool(q.clip_mask().all())
 
 
+def _sr_rule(a, r):
+    """SPEC 4's SR rule for one magnitude a >= 0 and random byte r, in exact Python arithmetic."""
+    a = min(a, 6.0)
+    s = 0.5 if a < 2 else (1.0 if a < 4 else 2.0)
+    return min(((math.floor(a * 256 / s) + r) >> 8) * s, 6.0)
+
+
+def test_random_bytes_layout():
+    for seed in (0, 11, 2**32 + 3):
+        key = _lowbias32((seed % 2**32 + 0x9E3779B9) % 2**32)
+        want = [(_lowbias32((i // 4) ^ key) >> (8 * (i % 4))) & 0xFF for i in range(70)]
+        assert fp4.random_bytes(seed, 70).tolist() == want
+
+
+def test_sr_rule_exact_for_every_byte():
+    # every E2M1 interval, its ends, and fractions finer than 1/256 of a step (the rule's bias)
+    mags = [0.0, 0.1, 0.25, 0.5, 0.7, 1.25, 1.999, 2.0, 2.001, 2.5, 3.3, 3.99, 4.0, 4.7, 5.0, 5.999,
+            6.0, 7.5, 1e9, 0.5 + 0.5 / 512, 1.0 + 0.5 * 255.5 / 256, 4.0 + 2.0 / 1024]
+    r = torch.arange(256, dtype=torch.int32).repeat(len(mags))
+    a = torch.tensor(mags, dtype=torch.float32).repeat_interleave(256)
+    for sign in (1.0, -1.0):
+        got = fp4.e2m1_decode(fp4.e2m1_encode_sr(sign * a, r))
+        want = torch.tensor([sign * _sr_rule(float(x), int(b)) for x, b in zip(a, r)])
+        bad = (got != want).nonzero().flatten()
+        assert bad.numel() == 0, [(float(a[i]), int(r[i]), float(got[i]), float(want[i])) for i in bad[:8]]
+    # SPEC 4's probe: 1.25 with byte 0x80 rounds up to 1.5, with 0x7F down to 1.0
+    probe = fp4.e2m1_decode(fp4.e2m1_encode_sr(torch.tensor([1.25, 1.25]), torch.tensor([0x80, 0x7F])))
+    assert probe.tolist() == [1.5, 1.0]
+    assert int(fp4.e2m1_encode_sr(torch.tensor([float("nan")]), torch.tensor([200]))[0]) == 0
+
+
 def test_sr_unbiased_and_seed_deterministic():
     g = torch.Generator().manual_seed(2)
     x = (torch.rand(128, 32, generator=g) * 12 - 6)
@@ -195,12 +226,15 @@ def test_sr_unbiased_and_seed_deterministic():
     mean = deq.mean(0)
     a = x.abs()
     step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
-    p = (a / step) - torch.floor(a / step)
+    f = (a / step) - torch.floor(a / step)
+    p = torch.floor(256 * f) / 256  # the rule's P(round up) (SPEC 4): 8 random bits
+    expect = torch.sign(x) * (torch.floor(a / step) + p) * step  # lo + s * floor(256 f) / 256
     sd = step * torch.sqrt(p * (1 - p) / S)  # binomial: std of the mean of S draws
-    err = (mean - x).abs()
+    err = (mean - expect).abs()
     assert bool((err <= 6 * sd + 1e-6).all()), float((err / (sd + 1e-12)).max())
-    z2 = ((mean - x) / sd)[sd > 0] ** 2
+    z2 = ((mean - expect) / sd)[sd > 0] ** 2
     assert 0.8 < float(z2.mean()) < 1.2, float(z2.mean())  # E[z^2] = 1 if unbiased, sd as derived
+    assert bool(((expect - x).abs() <= step / 256 + 1e-6).all())  # the rule's bias, toward zero
     q1, q2 = fp4.quantize(x, rounding="sr", seed=9), fp4.quantize(x, rounding="sr", seed=9)
     assert_same(q1.codes, q2.codes)
     assert not torch.equal(q1.codes, fp4.quantize(x, rounding="sr", seed=10).codes)

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import fp4
+import kernels
 
-HAS_GPU = torch.cuda.is_available() and fp4._cupy() is not None
+HAS_GPU = torch.cuda.is_available() and kernels._cupy() is not None
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device and CuPy")
 KERNELS_CU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cu")
 
@@ -145,7 +146,7 @@ MX_CASES = [  # (shape, dtype, rule, rounding, hadamard, signs, special)
 @gpu
 @pytest.mark.parametrize("shape,dtype,rule,rnd,had,signed,special", MX_CASES)
 @pytest.mark.parametrize("axis", [-1, 0])
-@pytest.mark.parametrize("layout", ["quad", "group"])  # fp4._mx_rows_layout: both quant_rows variants
+@pytest.mark.parametrize("layout", ["quad", "group"])  # kernels.mx_rows_layout: both quant_rows variants
 def test_quantize_mx(shape, dtype, rule, rnd, had, signed, special, axis, layout, monkeypatch):
     monkeypatch.setenv("FP4_MX_ROWS", layout)
     if axis == 0 and len(shape) == 3:  # a 3-D tensor quantized along its middle axis instead
@@ -378,6 +379,20 @@ def test_nvcc_compiles(arch, tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
 
 
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_blackwell_sr_uses_cvt_rs_only_where_it_exists(tmp_path):
+    """SPEC 4: sm_100a encodes SR with cvt.rs.satfinite.e2m1x4.f32; sm_120a has no cvt.rs (PTX ISA
+    8.7) and must compute the same rule in integers; Hopper likewise."""
+    counts = {}
+    for arch in ("sm_90a", "sm_100a", "sm_120a"):
+        out = tmp_path / f"k_{arch}.ptx"
+        res = subprocess.run(["nvcc", "-std=c++17", "-fmad=false", f"-arch={arch}", "-ptx", "-o", str(out), KERNELS_CU],
+                             capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-4000:]
+        counts[arch] = out.read_text().count("cvt.rs.satfinite.e2m1x4.f32")
+    assert counts["sm_100a"] > 0 and counts["sm_90a"] == 0 and counts["sm_120a"] == 0, counts
+
 # Host emulation (CPU, g++): kernels.cu's device math built as C++ with FP4_HOST_EMU, warp shuffles
 # between 4 host threads (one lane quad), against the PyTorch reference bit for bit. Covers the
 # warp-cooperative MXFP4 rows path (mx_chunk) and the one-thread-per-group path (quant_group).
@@ -413,6 +428,8 @@ static inline float __uint2float_rn(unsigned u) { return (float)u; }
 static inline float __fadd_ru(float a, float b) { fesetround(FE_UPWARD); volatile float r = a + b; fesetround(FE_TONEAREST); return r; }
 static inline float __fadd_rd(float a, float b) { fesetround(FE_DOWNWARD); volatile float r = a + b; fesetround(FE_TONEAREST); return r; }
 static inline float __fmaf_ru(float a, float b, float c) { fesetround(FE_UPWARD); volatile float r = __builtin_fmaf(a, b, c); fesetround(FE_TONEAREST); return r; }
+static inline float __fmaf_rd(float a, float b, float c) { fesetround(FE_DOWNWARD); volatile float r = __builtin_fmaf(a, b, c); fesetround(FE_TONEAREST); return r; }
+static inline unsigned __float2uint_rz(float a) { return (unsigned)a; }
 static inline unsigned __funnelshift_l(unsigned lo, unsigned hi, unsigned s) {
   return (unsigned)(((((unsigned long long)hi << 32) | lo) << (s & 31)) >> 32);
 }
@@ -557,8 +574,8 @@ def test_host_emulation_mx(emu_binary, mode, shape, dtype, rule, rnd, had, signe
     q = fp4.quantize(x, "mxfp4", scale_rule=rule, rounding=rnd, hadamard=had, signs=signs, seed=seed)
     x.numpy().astype(np.float32).tofile(d / "x.bin")
     hs = fp4._hadamard_scale(had) if had else 0.0
-    args = [str(d / "emu"), mode, str(shape[0]), str(shape[1]), str(fp4._RULE_ID[rule]), str(fp4._ROUND_ID[rnd]),
-            str(had), str(int(signed)), str(fp4._sign_words(signs)[0] if signed else 0), str(seed),
+    args = [str(d / "emu"), mode, str(shape[0]), str(shape[1]), str(kernels.RULE_ID[rule]), str(kernels.ROUND_ID[rnd]),
+            str(had), str(int(signed)), str(kernels.sign_words(signs)[0] if signed else 0), str(seed),
             repr(np.float32(hs).item()), str(d)]
     subprocess.run(args, check=True, timeout=120)
     r, k = shape
@@ -604,5 +621,5 @@ def test_dispatch_errors_match_reference(opts):
 
 def test_sign_words():
     signs = torch.tensor([1.0, -1.0] * 32 + [-1.0] * 64)
-    assert fp4._sign_words(signs) == [0xAAAAAAAA, 0xAAAAAAAA, 0xFFFFFFFF, 0xFFFFFFFF]
-    assert fp4._sign_words(torch.tensor([-1.0] + [1.0] * 15)) == [1, 0, 0, 0]
+    assert kernels.sign_words(signs) == [0xAAAAAAAA, 0xAAAAAAAA, 0xFFFFFFFF, 0xFFFFFFFF]
+    assert kernels.sign_words(torch.tensor([-1.0] + [1.0] * 15)) == [1, 0, 0, 0]

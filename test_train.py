@@ -321,7 +321,8 @@ def test_prepare_pycode(tmp_path):
         (src / name).parent.mkdir(parents=True, exist_ok=True)
         (src / name).write_text(text)
     out = tmp_path / 'out'
-    meta = prep.prepare(str(out), max_chars=1e6, roots={'t': str(src)}, val_percent=30)
+    tiers = [('python', {'t': str(src)})]
+    meta = prep.prepare(str(out), max_tokens=1e6, tiers=tiers, val_percent=30, workers=1)
     enc = prep.get_encoding()
     assert meta['vocab_size'] == 100277 and meta['eot_token'] == enc.eot_token == 100257
     got = {s: [enc.decode(d) for d in decode_docs(out / f'{s}.bin', enc.eot_token)]
@@ -331,15 +332,55 @@ def test_prepare_pycode(tmp_path):
     assert 0 < len(got['val']) < len(got['train'])
     assert meta['train_files'] == len(got['train']) and meta['val_files'] == len(got['val'])
     assert meta['train_tokens'] == os.path.getsize(out / 'train.bin') // 4
+    assert meta['train_sha1'] == hashlib.sha1((out / 'train.bin').read_bytes()).hexdigest()
+    assert meta['tiers']['python']['files'] == len(py) and not meta['capped']
     with open(out / 'meta.json') as f:
         assert json.load(f) == meta
     # deterministic: same files, same split, same bytes
     first = file_hash(out / 'train.bin')
-    prep.prepare(str(out), max_chars=1e6, roots={'t': str(src)}, val_percent=30)
+    prep.prepare(str(out), max_tokens=1e6, tiers=tiers, val_percent=30, workers=1)
     assert file_hash(out / 'train.bin') == first
-    # the cap
-    small = prep.prepare(str(tmp_path / 'small'), max_chars=200, roots={'t': str(src)})
-    assert 0 < small['chars'] <= 200
+    # the cap counts tokens, EOT included, and stops before the file that would cross it
+    small = prep.prepare(str(tmp_path / 'small'), max_tokens=60, tiers=tiers, workers=1)
+    assert 0 < small['train_tokens'] + small['val_tokens'] <= 60 and small['capped']
+    assert small['train_tokens'] + small['val_tokens'] > 60 - 20  # a file here is < 20 tokens
+
+def test_prepare_parallel_equals_serial(tmp_path, monkeypatch):
+    """A pool of workers gives the same bins and meta as one process: tiers in order, the
+    cap crossing in the second tier, duplicates, empty, binary and oversized files skipped."""
+    prep = load_script('data/pycode/prepare.py', 'pycode_prepare')
+    monkeypatch.setattr(prep, 'MAX_FILE_CHARS', 2000)  # the forked workers inherit it
+    rng = np.random.default_rng(0)
+    words = ['def', 'return', 'int', 'void', 'self', 'x', '{', '}', '(', ')', '#include', 'the']
+    files = {}
+    for i in range(40):
+        files[f'py/m{i}.py'] = ' '.join(rng.choice(words, size=rng.integers(5, 200)))
+        files[f'inc/h{i}.h'] = ' '.join(rng.choice(words, size=rng.integers(5, 200)))
+        files[f'doc/d{i}.md'] = ' '.join(rng.choice(words, size=rng.integers(5, 200)))
+    files.update({'py/dup.py': files['py/m3.py'], 'inc/dup.h': files['py/m5.py'],
+                  'py/empty.py': '  \n', 'py/bin.py': 'ab\x00cd', 'py/big.py': 'x = 1\n' * 500})
+    for name, text in files.items():
+        (tmp_path / 'src' / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / 'src' / name).write_text(text)
+    roots = {'src': str(tmp_path / 'src')}
+    tiers = [('python', roots), ('c', roots), ('docs', roots)]
+    common = dict(max_tokens=6000, tiers=tiers, val_percent=20)
+    serial = prep.prepare(str(tmp_path / 'serial'), workers=1, **common)
+    assert serial['capped'] and serial['tiers']['c']['files'] > 0 and serial['val_files'] > 0
+    assert serial['tiers']['docs']['files'] == 0  # the cap was reached in the second tier
+    assert serial['tiers']['python']['files'] == 40  # dup, empty, binary and big skipped
+    skipped = serial['skipped']
+    assert (skipped['large'], skipped['empty'], skipped['binary']) == (1, 1, 1)
+    assert skipped['duplicate'] >= 1  # inc/dup.h too, if the cap came after it
+    for workers, chunk in ((2, 3), (3, 1)):
+        par = prep.prepare(str(tmp_path / f'par{workers}'), workers=workers, chunk_files=chunk,
+                           **common)
+        assert par['workers'] == workers
+        for key in ('train_sha1', 'val_sha1', 'train_tokens', 'val_tokens', 'tiers', 'skipped'):
+            assert par[key] == serial[key], key
+        for split in ('train', 'val'):
+            assert (tmp_path / f'par{workers}' / f'{split}.bin').read_bytes() == \
+                (tmp_path / 'serial' / f'{split}.bin').read_bytes()
 
 def test_prepare_fineweb_tokenize_and_write(tmp_path):
     prep = load_script('data/fineweb/prepare.py', 'fineweb_prepare')

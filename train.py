@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
+import optim
 from model import GPT, GPTConfig, RECIPES, SIZES, apply_recipe, config_for
 
 # -----------------------------------------------------------------------------
@@ -50,6 +51,7 @@ recipe = 'quartet'        # one of model.RECIPES
 lora_rank = 0             # fullstack: rank of the BF16 part; 0: the default rule, -1: none
 lora_refit_interval = 4000  # fullstack: refit L by randomized SVD every this many steps (and at 0)
 # AdamW and the lr schedule (Quartet's: betas (0.9, 0.95), wd 0.1, clip 1, cosine, 10% warmup)
+optimizer = 'adamw'  # adamw | adamw_fp4 | muon | root | root_fp4 (optim.build)
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.95
@@ -102,6 +104,8 @@ def check_config():
     if model_size not in SIZES:
         raise configurator.ConfigError(f"unknown model_size {model_size!r}; "
                                        f"choose one of {', '.join(SIZES)}")
+    if optimizer not in optim.OPTIMIZERS:
+        raise configurator.ConfigError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(optim.OPTIMIZERS)}")
     if dtype not in ('float32', 'bfloat16'):
         raise configurator.ConfigError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
 
@@ -194,6 +198,12 @@ def build_model(model_args):
     model = GPT(GPTConfig(**model_args))
     return apply_recipe(model, recipe)  # block linears -> FP4Linear (not for bf16)
 
+def build_optimizer(model):
+    """optim.build: AdamW, or Muon/ROOT on the 2-D hidden weights and AdamW on the rest. One
+    learning_rate and schedule for both: the Muon family's update is scaled to AdamW's RMS
+    (optim.update_scale 'rms', README 'Muon and ROOT with FP4 Newton-Schulz')."""
+    return optim.build(model, optimizer, lr=learning_rate, weight_decay=weight_decay, betas=(beta1, beta2))
+
 @torch.no_grad()
 def estimate_loss(model, data, ctx, rank):
     """Mean loss over eval_iters fixed batches per split (the same batches every eval).
@@ -214,6 +224,8 @@ def estimate_loss(model, data, ctx, rank):
             if dist.is_initialized():
                 dist.all_reduce(mean, op=dist.ReduceOp.AVG)
             out[split] = mean.item()
+            # standard error of this rank's mean (independent batches): study.py sets it beside seed noise
+            out[f'{split}_se'] = (losses.std() / math.sqrt(eval_iters)).item() if eval_iters > 1 else math.nan
         model.train()
     return out
 
@@ -318,7 +330,7 @@ def init_run(rank, data_meta):
     if ckpt:
         model.load_state_dict(ckpt['model'])
     model.to(device)
-    optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2))
+    optimizer = build_optimizer(model)
     history = dict(steps=[], train_loss=[], val_steps=[], val_loss=[], eval_train_loss=[])
     iter_num = 0
     if ckpt:
@@ -333,7 +345,7 @@ def finish(history, stats, model_args):
     plot_losses(history, os.path.join(out_dir, 'loss.png'))
     summary = dict(val_loss=history['val_loss'][-1] if history['val_loss'] else None,
                    tokens_per_s=stats['tokens_per_s'], peak_mem_gib=peak_mem_gib(),
-                   recipe=recipe, model_size=model_size, model_args=model_args,
+                   recipe=recipe, optimizer=optimizer, model_size=model_size, model_args=model_args,
                    iters=max_iters, tokens=stats['tokens'], wall_s=stats['wall_s'],
                    device=torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu',
                    loss_curve=history)
@@ -369,6 +381,7 @@ def eval_and_checkpoint(model, raw_model, optimizer, data, ctx, run):
     history['val_steps'].append(it)
     history['val_loss'].append(losses['val'])
     history['eval_train_loss'].append(losses['train'])
+    history.setdefault('val_loss_se', []).append(losses['val_se'])  # setdefault: older checkpoints
     log(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
     if not always_save_checkpoint or it == run['start_iter']:
         return  # nothing new to save
@@ -390,9 +403,13 @@ def main(argv=None):
     if rank == 0:
         log_header(config)
     data, meta = load_data(rank == 0)
+    epochs = max_iters * batch_size * block_size * gradient_accumulation_steps / len(data['train'])
+    if epochs > 1:
+        log(f'warning: the run repeats its training data: {max_iters} steps read {epochs:.2f} epochs '
+            f"of the {len(data['train']):,}-token train split")
     raw_model, model_args, optimizer, iter_num, history = init_run(rank, meta)
     log(f"model {model_size} {model_args}: {raw_model.get_num_params() / 1e6:.2f}M non-embedding, "
-        f"{raw_model.get_num_params(False) / 1e6:.2f}M total parameters; recipe {recipe}")
+        f"{raw_model.get_num_params(False) / 1e6:.2f}M total parameters; recipe {recipe}, optimizer {config['optimizer']}")
     model = torch.compile(raw_model) if compile else raw_model
     if world > 1:
         ids = [torch.cuda.current_device()] if device.startswith('cuda') else None

@@ -1,0 +1,351 @@
+"""
+kernels.py: compiling kernels.cu with NVRTC (through CuPy) and launching its kernels on torch's
+CUDA tensors. fp4.py holds the numerics and calls these launchers when a tensor is on a GPU;
+FP4_KERNELS=torch forces the PyTorch reference there instead.
+
+A raw pointer carries no metadata, so every launcher checks what the kernel assumes (dtype,
+contiguity, 16-byte alignment, sizes that fit its index types) before launching, allocates its
+outputs with torch, and launches on torch's current stream of the tensor's device. Each launcher
+returns exactly what its fp4.py twin returns (quantize, dequantize, requantize, fold_mx,
+_rotate_back); test_kernels.py checks them against the reference bit for bit.
+"""
+import functools
+import os
+
+import torch
+
+import fp4  # the numerics these kernels implement (QTensor, formats, seeds); imported both ways
+
+# ---------------------------------------------------------------------------------------------
+# Compiling and launching
+
+def enabled():
+    """True when CUDA tensors should go through kernels.cu (CuPy importable, not overridden)."""
+    return os.environ.get("FP4_KERNELS", "cuda") != "torch" and _cupy() is not None
+
+
+def _cupy():
+    try:
+        import cupy
+        return cupy
+    except Exception:  # ImportError, or a CuPy that finds no CUDA driver
+        return None
+
+
+_KERNELS_CU = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cu")
+# IEEE FP32 as the reference computes it: no FMA contraction, subnormals kept, exact div/sqrt.
+_NVRTC_OPTIONS = ("-std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true")
+_SRC_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "mxfp4": 3, "nvfp4": 4}
+RULE_ID = {"absmax": 0, "quest": 1, "four_over_six": 2}
+ROUND_ID = {"rn": 0, "sr": 1, "eden": 2}
+_TILE_R = 128  # quant_cols' tile: 128 rows (the quantized axis) x 32 columns
+LAUNCH_LOG = None  # a list to record launches (bench.py replays them to time kernels alone)
+COMPILER = {}  # device index -> how kernels.cu was compiled there (bench.py records it)
+
+
+@functools.cache
+def _kernel_function(device_index, name):
+    """One kernels.cu template instantiation (e.g. 'quant_rows<1, 32, false, 1, 0>'), compiled by
+    NVRTC once per device and process. cupy.RawModule appends -ftz=true to the caller's options
+    (seen on the H200: subnormal inputs lost their sign), so NVRTC is driven directly through
+    CuPy's bindings; RawModule (flushing subnormals) is the fallback if those bindings move."""
+    cp = _cupy()
+    with open(_KERNELS_CU) as f:
+        code = f.read()
+    with cp.cuda.Device(device_index):
+        try:
+            fn = _nvrtc_function(cp, code, name, device_index)
+            COMPILER[device_index] = "nvrtc " + " ".join(_NVRTC_OPTIONS)
+            return fn
+        except Exception:
+            module = cp.RawModule(code=code, options=_NVRTC_OPTIONS, name_expressions=(name,))
+            COMPILER[device_index] = "cupy.RawModule (CuPy appends -ftz=true)"
+            return module.get_function(name)
+
+
+def _nvrtc_function(cp, code, name, device_index):
+    from cupy.cuda import function
+    from cupy_backends.cuda.libs import nvrtc
+    import hashlib
+    arch = f"--gpu-architecture=sm_{cp.cuda.Device(device_index).compute_capability}"
+    include = os.path.join(cp.cuda.get_cuda_path() or "/usr/local/cuda", "include")
+    key = hashlib.sha1("\0".join((code, name, arch, nvrtc.getVersion().__repr__()) + _NVRTC_OPTIONS).encode()).hexdigest()
+    cache = os.path.join(os.environ.get("FP4_KERNEL_CACHE", os.path.expanduser("~/.cache/fp4-kernels")), key)
+    if os.path.exists(cache + ".cubin") and os.path.exists(cache + ".name"):
+        module = function.Module()
+        with open(cache + ".cubin", "rb") as f:
+            module.load(f.read())
+        with open(cache + ".name") as f:
+            return module.get_function(f.read())
+    prog = nvrtc.createProgram(code, "kernels.cu", (), ())
+    try:
+        add = getattr(nvrtc, "addNameExpression", None) or getattr(nvrtc, "addAddNameExpression")
+        add(prog, name)
+        try:
+            nvrtc.compileProgram(prog, _NVRTC_OPTIONS + (arch, f"--include-path={include}"))
+        except Exception as err:
+            raise RuntimeError(f"{err}\n{nvrtc.getProgramLog(prog)}") from err
+        cubin = nvrtc.getCUBIN(prog)
+        lowered = nvrtc.getLoweredName(prog, name)
+    finally:
+        nvrtc.destroyProgram(prog)
+    try:  # a disk cache like CuPy's: NVRTC takes seconds for the 128-element groups
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        tmp = f"{cache}.{os.getpid()}.tmp"
+        for ext, data in ((".name", lowered.encode()), (".cubin", cubin)):  # atomic, name first
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, cache + ext)
+    except OSError:
+        pass
+    module = function.Module()
+    module.load(cubin)
+    return module.get_function(lowered)
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what inductor uses
+
+
+def launch(device, name, grid, block, args):
+    """Launch on torch's current stream of `device`; args are numpy scalars (pointers as uint64)."""
+    current = torch.cuda.current_device()
+    index = device.index if device.index is not None else current
+    fn = _kernel_function(index, name)
+    if LAUNCH_LOG is not None:
+        LAUNCH_LOG.append((fn, index, grid, block, args))
+    ptr = _raw_stream(index) if _raw_stream else torch.cuda.current_stream(index).cuda_stream
+    if index == current:  # CuPy launches on the current device: no context switch needed
+        fn(grid, block, args, stream=_cupy_stream(ptr, index))
+    else:
+        with _cupy().cuda.Device(index):
+            fn(grid, block, args, stream=_cupy_stream(ptr, index))
+
+
+@functools.lru_cache(maxsize=64)
+def _cupy_stream(ptr, index):
+    """CuPy's handle on one of torch's streams, made once per stream (not once per launch)."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # ExternalStream: fine for a raw pointer
+        return _cupy().cuda.ExternalStream(ptr, index)
+
+
+def _ptr(t):
+    import numpy as np
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def _aligned(t):
+    return t.is_contiguous() and t.data_ptr() % 16 == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The launchers: grid sizes, random-number arguments, one function per fp4.py twin
+
+_MX_ROWS_CTAS_PER_SM = 3  # kernels.cu's FP4_MX_MINB: quant_rows' MXFP4 CTAs resident on an SM
+_COLS_CTAS_PER_SM = 8  # quant_cols' launch bounds for G = 32 (128 threads, 64 registers)
+
+
+@functools.cache
+def _sm_count(index):  # the quantize kernels size their grid to one resident wave
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+
+def sign_words(signs):
+    """+-1 CPU signs (n <= 128,) -> 4 uint32 words (kernel arguments by value), bit i of word w
+    set iff sign 32w + i is -1; words past n are 0."""
+    words = [0, 0, 0, 0]
+    for i, neg in enumerate((signs < 0).tolist()):
+        words[i // 32] |= int(neg) << (i % 32)
+    return words
+
+
+def _rng_args(signs, seed, device):
+    """(has_signs, 4 sign words, seed, key0, device seed tensor) for a kernel launch. A fp4.DeviceSeed
+    passes its tensor and its offset (the kernel adds them and derives key0); fp4.DeviceSigns pass
+    has_signs = 2 and their seed's offset in word 0 (the kernel derives the words)."""
+    if isinstance(seed, fp4.DeviceSeed):
+        if seed.t.device != device:
+            raise ValueError(f"fp4.DeviceSeed on {seed.t.device}, tensor on {device}")
+        if isinstance(signs, fp4.DeviceSigns):
+            if signs.seed.t is not seed.t:
+                raise ValueError("fp4.DeviceSigns must share the fp4.DeviceSeed's tensor")
+            return 2, [signs.seed.offset & fp4._M32, 0, 0, 0], seed.offset & fp4._M32, 0, seed.t
+        words = sign_words(signs) if signs is not None else [0, 0, 0, 0]
+        return int(signs is not None), words, seed.offset & fp4._M32, 0, seed.t
+    if isinstance(signs, fp4.DeviceSigns):
+        raise ValueError("fp4.DeviceSigns need a fp4.DeviceSeed seed")
+    words = sign_words(signs) if signs is not None else [0, 0, 0, 0]
+    return int(signs is not None), words, seed & fp4._M32, fp4.hash_key(seed, 0), None
+
+
+def mx_rows_layout(scale_rule, rounding):
+    """MXFP4 quant_rows layout: 'quad' (G = 8: 8 elements a thread, 4 lanes a 32-block, shuffles)
+    or 'group' (G = 32: one thread a block). Both are bit-exact; they differ in speed only. The
+    kernels are issue-bound on the H200, and 'group' needs fewer SASS instructions per element in
+    every MXFP4 case (no shuffles, no per-lane copies of the scale computation), so it is the
+    default until timed otherwise; FP4_MX_ROWS=quad|group selects (bench.py can time both)."""
+    forced = os.environ.get("FP4_MX_ROWS")
+    return forced if forced in ("quad", "group") else "group"
+
+
+def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, signs, seed, block2d, fold=False):
+    """Run quant_rows (kind 'rows': quantize the (r, k) row-major src along k) or quant_cols
+    (kind 'cols': along r; src dense (r, k), or qin a fp4.QTensor whose codes (r, k/2) are the input).
+    Returns codes, scales, tensor scale, mask in the fp4.QTensor layout (rows, K) of the output, and
+    fold_mx's outputs when `fold` asked for them and quant_rows_fold applies (else None)."""
+    import numpy as np
+    dev = src.device
+    bs = fp4.FORMATS[fmt]
+    nv = fmt == "nvfp4"
+    rows, kq = (r, k) if kind == "rows" else (k, r)  # output layout: quantized axis kq last
+    g_size = max(bs, hadamard, fp4.EDEN_GROUP if rounding == "eden" else 0)
+    if fold and kind == "rows" and not nv and g_size == 32 and k // 32 <= 1024:
+        return _quant_rows_fold(src, r, k, scale_rule, rounding, hadamard, signs, seed)
+    if kind == "rows" and not nv and g_size == 32 and mx_rows_layout(scale_rule, rounding) == "quad":
+        g_size = 8  # quant_rows<..., 8, ...>: the warp-cooperative MXFP4 variant (8 elements a thread)
+    src_kind = _SRC_KIND[src.dtype] if qin is None else _SRC_KIND[qin.fmt]
+    codes = torch.empty(rows, kq // 2, dtype=torch.uint8, device=dev)
+    scales = torch.empty(rows, kq // bs, dtype=torch.uint8, device=dev)
+    mask = torch.empty(rows, kq // 8, dtype=torch.uint8, device=dev) if scale_rule == "quest" else None
+    has_signs, signw, seed_arg, key0, dseed = _rng_args(signs, seed, dev)
+    amax = torch.zeros(1, dtype=torch.int32, device=dev) if nv else None
+    tiles = torch.zeros(rows // 16, kq // 16, dtype=torch.int32, device=dev) if block2d else None
+    g = None
+    if LAUNCH_LOG is not None:
+        LAUNCH_LOG.append(("keepalive", amax, tiles))
+    name = (f"{'quant_rows' if kind == 'rows' else 'quant_cols'}<{src_kind}, {g_size}, {str(nv).lower()}, "
+            f"{RULE_ID[scale_rule]}, {ROUND_ID[rounding]}>")
+    if kind == "rows":
+        n = r * (k // g_size)
+        if n >= 1 << 32:
+            raise ValueError(f"tensor too large for the quantize kernel ({r} x {k})")
+        if g_size == 8:  # warp-cooperative MXFP4: 8 elements a thread, 4 chunks in flight, one trip
+            grid, block = (-(-n // (256 * 4)),), (256,)
+        elif not nv and g_size == 32:  # mx_rows: one resident wave, each thread loops over groups
+            grid, block = (min(-(-n // 256), _MX_ROWS_CTAS_PER_SM * _sm_count(dev.index)),), (256,)
+        else:
+            grid, block = (min(-(-n // 256), 1 << 20),), (256,)
+        head = (_ptr(src), np.uint32(r), np.uint32(k))
+    else:
+        ntiles = -(-k // 32) * -(-r // _TILE_R)
+        if ntiles >= 1 << 31:
+            raise ValueError(f"tensor too large for the transposing kernel ({r} x {k})")
+        # G = 32: one resident wave looping over the tiles; else (NVFP4, wide Hadamards: few threads
+        # a CTA, registers decide the residency) one CTA a tile
+        ctas = min(ntiles, _COLS_CTAS_PER_SM * _sm_count(dev.index)) if g_size == 32 else ntiles
+        grid, block = (ctas,), (32 * _TILE_R // g_size,)
+        head = (_ptr(src), _ptr(None if qin is None else qin.scales),
+                _ptr(None if qin is None else qin.tensor_scale), np.uint32(r), np.uint32(k))
+    hs = np.float32(fp4._hadamard_scale(hadamard) if hadamard else 0.0)
+
+    def args(pass_, g_):
+        return head + (np.int32(hadamard), hs, np.int32(has_signs), *(np.uint32(w) for w in signw),
+                       np.uint32(seed_arg), np.uint32(key0), _ptr(dseed), np.int32(pass_), _ptr(codes), _ptr(scales), _ptr(mask), _ptr(g_), _ptr(amax), _ptr(tiles))
+
+    if nv:  # pre-pass: amax over the finite (rotated) blocks -> g (fp4._tensor_scale); tile amax
+        launch(dev, name, grid, block, args(1, None))
+        finite_amax = amax.view(torch.float32).reshape(())
+        g = finite_amax / torch.full_like(finite_amax, 6 * fp4.E4M3_MAX)  # a true division on any device
+        g = torch.where(finite_amax > 0, g, torch.ones_like(g))
+    launch(dev, name, grid, block, args(0, g))
+    return codes, scales, g, mask, None
+
+
+def _quant_rows_fold(src, r, k, scale_rule, rounding, hadamard, signs, seed):
+    """MXFP4 along the rows of src (r, k) with the Hopper fold emitted by the same kernel: one
+    CTA holds whole rows (k / 32 threads a row, rounded up to a warp)."""
+    import numpy as np
+    dev = src.device
+    tpr = -(-(k // 32) // 32) * 32
+    rpc = max(1, 256 // tpr)
+    codes = torch.empty(r, k // 2, dtype=torch.uint8, device=dev)
+    scales = torch.empty(r, k // 32, dtype=torch.uint8, device=dev)
+    mask = torch.empty(r, k // 8, dtype=torch.uint8, device=dev) if scale_rule == "quest" else None
+    f8 = torch.empty(r, k, dtype=torch.uint8, device=dev)
+    rowscale = torch.empty(r, dtype=torch.float32, device=dev)
+    has_signs, signw, seed_arg, key0, dseed = _rng_args(signs, seed, dev)
+    hs = np.float32(fp4._hadamard_scale(hadamard) if hadamard else 0.0)
+    name = f"quant_rows_fold<{_SRC_KIND[src.dtype]}, {RULE_ID[scale_rule]}, {ROUND_ID[rounding]}>"
+    # about one resident wave (64 registers a thread: 1024 threads an SM), looping over row groups
+    grid = min(-(-r // rpc), max(1, 1024 // (tpr * rpc)) * _sm_count(dev.index))
+    launch(dev, name, (grid,), (tpr, rpc),
+            (_ptr(src), np.uint32(r), np.uint32(k), np.int32(hadamard), hs, np.int32(has_signs),
+             *(np.uint32(w) for w in signw), np.uint32(seed_arg), np.uint32(key0), _ptr(dseed),
+             _ptr(codes), _ptr(scales), _ptr(mask), _ptr(f8), _ptr(rowscale)))
+    return codes, scales, None, mask, (f8.view(torch.float8_e4m3fn), rowscale)
+
+
+def quantize(x, xm, fmt, axis, scale_rule, rounding, hadamard, signs, seed, block2d, fold=False):
+    """fp4.quantize through quant_rows / quant_cols; quantize() has checked the options and moved
+    the quantized axis last (xm)."""
+    k = xm.shape[-1]
+    lead = xm.shape[:-1]
+    r = xm.numel() // k
+    xt = x.detach()
+    if x.ndim == 2 and axis == 0 and not _aligned(xm) and _aligned(xt):
+        codes, scales, g, mask, folded = _quant_launch("cols", xt, None, k, r, fmt, scale_rule, rounding,
+                                                       hadamard, signs, seed, block2d)
+    else:
+        src = xm if _aligned(xm) else xm.contiguous()
+        src = src if _aligned(src) else src.clone()  # a view at an odd offset: realign
+        codes, scales, g, mask, folded = _quant_launch("rows", src, None, r, k, fmt, scale_rule, rounding,
+                                                       hadamard, signs, seed, block2d, fold)
+    mask = None if mask is None else mask.view(*lead, k // 8)
+    return fp4.QTensor(codes.view(*lead, k // 2), scales.view(*lead, -1), g, fmt, tuple(x.shape), axis, mask, folded)
+
+
+def dequantize(q, dtype):
+    """fp4.dequantize through the dequant kernel (f32, bf16, f16 written directly)."""
+    import numpy as np
+    lead = q.lead_shape
+    k = lead[-1]
+    r = q.codes.numel() * 2 // k
+    out_kind = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)
+    out = torch.empty(lead, dtype=dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32,
+                      device=q.codes.device)
+    n = r * k // 8
+    launch(q.codes.device, f"dequant<{out_kind}>", (min(-(-n // 256), 1 << 20),), (256,),
+            (_ptr(q.codes.contiguous()), _ptr(q.scales.contiguous()), _ptr(q.tensor_scale), np.uint32(r),
+             np.uint32(k), np.int32(q.fmt == "nvfp4"), _ptr(out)))
+    return out.movedim(-1, q.axis).to(dtype)
+
+
+def requantize(q, fmt, scale_rule, rounding, hadamard, signs, seed):
+    """fp4.requantize in one pass: quant_cols with the fp4.QTensor's codes as input (dequantize in the
+    tile load, transpose through shared memory, rotate, scale, round, pack); requantize() has
+    checked the options."""
+    axis = 1 - q.axis
+    r_in, k_in = q.lead_shape  # the input layout; the output's quantized axis is r_in (== k)
+    src = q if q.codes.is_contiguous() and q.scales.is_contiguous() else fp4.QTensor(
+        q.codes.contiguous(), q.scales.contiguous(), q.tensor_scale, q.fmt, q.shape, q.axis, q.mask)
+    codes, scales, g, mask, _ = _quant_launch("cols", src.codes, src, r_in, k_in, fmt, scale_rule, rounding,
+                                              hadamard, signs, seed, False)
+    return fp4.QTensor(codes, scales, g, fmt, tuple(q.shape), axis, mask)
+
+
+def fold(q):
+    """fp4.fold_mx through the fold_mx kernel (one warp per row: row max of block exponents)."""
+    import numpy as np
+    k = q.lead_shape[-1]
+    r = q.codes.numel() * 2 // k
+    elems = torch.empty(r, k, dtype=torch.uint8, device=q.codes.device)
+    rows = torch.empty(r, dtype=torch.float32, device=q.codes.device)
+    launch(q.codes.device, "fold_mx", (min(-(-r // 8), 1 << 16),), (256,),
+            (_ptr(q.codes.contiguous()), _ptr(q.scales.contiguous()), np.uint32(r), np.uint32(k), _ptr(elems), _ptr(rows)))
+    return elems.view(torch.float8_e4m3fn), rows
+
+
+def rotate_back(d, mask, n):
+    """fp4._rotate_back through the rotate_back kernel: mask, Hadamard-n, rounding to d's dtype."""
+    import numpy as np
+    k = d.shape[-1]
+    r = d.numel() // k
+    src = d if _aligned(d) else d.contiguous().clone()
+    mask = mask.contiguous()
+    out = torch.empty(d.shape, dtype=d.dtype, device=d.device)
+    groups = r * (k // n)
+    launch(d.device, f"rotate_back<{_SRC_KIND[d.dtype]}, {n}>", (min(-(-groups // 256), 1 << 20),), (256,),
+            (_ptr(src), _ptr(mask), np.uint32(r), np.uint32(k), np.float32(fp4._hadamard_scale(n)), _ptr(out)))
+    return out

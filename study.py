@@ -1,0 +1,875 @@
+"""
+Accuracy study: how much loss each FP4 recipe costs against BF16, with error bars.
+Same-token training runs over recipes x seeds x model sizes x token budgets, each one a
+train.py subprocess on one GPU; then the gaps to BF16 paired by seed with 95% intervals,
+loss curves with seed bands, and the Quartet-form scaling law with effN and effD per
+recipe (SPEC.md 6).
+
+$ python study.py plan --recipes=bf16,quartet,nvfp4,quartet2 --seeds=0,1,2 --sizes=30m --tokens=50e6
+$ python study.py run  --recipes=bf16,quartet,nvfp4,quartet2 --seeds=0,1,2 --sizes=30m --tokens=50e6
+$ python study.py run  --recipes=bf16,quartet --seeds=0,1,2 --sizes=30m --tokens=50e6 \\
+      --variant=adamw_fp4 -- --optimizer=adamw_fp4    # a named variant: extra train.py flags
+$ python study.py report                               # results/<gpu>/study/report.md and PNGs
+
+Each finished run is one JSON in results/<gpu>/study/; `run` skips the runs whose JSON is
+there, so a study is completed in parts, and --budget_min starts only the runs that fit.
+Seeds are paired: train.py's seed fixes the initial weights (apply_recipe keeps the BF16
+model's Parameters), the training batches and the eval batches (get_batch is a function of
+seed and step), so recipe R and bf16 at seed s differ only by the recipe.
+"""
+
+import argparse
+import functools
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import configurator
+import train
+from model import GPT, RECIPES, SIZES, config_for
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REFERENCE = 'bf16'
+# every run: train.py's GPU step of 32K tokens (64 x 512), as one micro-batch rather than two:
+# the eager FP4 layers cost ~2 ms of host time each per micro-batch (README), so one halves
+# that per token, and 64 x 512 still fits 30M-100M models in an H200. 50 eval batches per
+# split = 1.6M val tokens an eval. No checkpoints: a run is the unit a study resumes by.
+SETTINGS = dict(block_size=512, batch_size=64, gradient_accumulation_steps=1, eval_iters=50,
+                always_save_checkpoint=False, log_interval=25)
+# peak learning rate per size: train.py's 30M default and config/quartet_200m.py's 200M one,
+# interpolated between; not tuned per recipe (the same for all: same-token, same-schedule runs)
+LEARNING_RATE = {'tiny': 4e-3, '30m': 1.5e-3, '50m': 1.25e-3, '100m': 1.1e-3, '200m': 1e-3,
+                 '430m': 8e-4, '800m': 6e-4, '1b': 6e-4}
+EVALS = 4                   # evals after step 0, evenly spaced: the val curve
+STUDY_KEYS = ('recipe', 'seed', 'model_size', 'max_iters', 'eval_interval', 'out_dir')
+# Quartet's BF16 fit (SPEC.md 6) and its effective-parameter / effective-data factors for
+# MXFP4 (Quartet, arXiv 2505.14669); the published gaps a user compares with
+QUARTET_LAW = dict(A=127444.7, a=0.5785, B=465834.3, b=0.5389, E=1.3408, g=0.2764)
+QUARTET_EFF = {'quartet': (0.658, 0.822)}
+PUBLISHED = ('Quartet: +2.6% to +2.9% val loss over BF16 at 100 tokens/param (200M-800M, C4); '
+             'Full-Stack FP4: +0.84% to +1.47% (3B, 64B tokens)')
+
+# -----------------------------------------------------------------------------
+# the runs: identity, train.py config
+
+@dataclass(frozen=True)
+class Run:
+    size: str
+    tokens: float           # the budget asked for; the run trains whole steps, recorded exactly
+    recipe: str
+    seed: int
+    variant: str = ''       # a name for extra train.py flags ('' = none)
+    flags: tuple = ()
+
+    @property
+    def group(self):
+        return self.recipe + (f'+{self.variant}' if self.variant else '')
+
+    @property
+    def id(self):
+        return f'{self.size}-{tokens_label(self.tokens)}-{self.group.replace("+", "-")}-s{self.seed}'
+
+def tokens_label(tokens):
+    for unit, scale in (('B', 1e9), ('M', 1e6), ('K', 1e3)):
+        if tokens >= scale:
+            return f'{tokens / scale:.4g}{unit}'
+    return f'{tokens:g}'
+
+def grid(recipes, seeds, sizes, tokens, variant='', flags=()):
+    """The runs, seed-major: a study stopped part-way leaves whole seeds, which pair."""
+    for r in recipes:
+        if r not in RECIPES:
+            raise ValueError(f"unknown recipe {r!r}; choose from {', '.join(RECIPES)}")
+    for s in sizes:
+        if s not in SIZES:
+            raise ValueError(f"unknown size {s!r}; choose from {', '.join(SIZES)}")
+    if variant and not re.fullmatch(r'[a-z0-9_]+', variant):
+        raise ValueError(f'--variant={variant!r}: use lower-case letters, digits and _')
+    if flags and not variant:
+        raise ValueError(f'extra train.py flags {list(flags)} need a --variant name, so that '
+                         'their runs are told apart from the plain ones')
+    if any(t <= 0 for t in tokens) or any(s < 0 for s in seeds):
+        raise ValueError(f'tokens must be > 0 and seeds >= 0, got {tokens} and {seeds}')
+    return [Run(size, float(t), r, int(seed), variant, tuple(flags))
+            for seed in seeds for size in sizes for t in tokens for r in recipes]
+
+def train_config(run, base_flags=(), settings=SETTINGS, work_dir=None):
+    """The train.py config of a run: the study's settings, then base_flags (where: data_dir,
+    device) and the variant's flags (checked by configurator), then the run's identity."""
+    over = configurator.configure(train.DEFAULTS, [*base_flags, *run.flags])
+    for key in STUDY_KEYS:
+        if key in over:
+            raise ValueError(f'--{key} is set by the study for each run; it cannot be a flag')
+    cfg = {**settings, 'learning_rate': LEARNING_RATE.get(run.size, 1e-3), **over}
+    steps = max(1, round(run.tokens / step_tokens(cfg)))
+    cfg.update(recipe=run.recipe, seed=run.seed, model_size=run.size, max_iters=steps,
+               eval_interval=max(1, math.ceil(steps / EVALS)),
+               out_dir=os.path.join(work_dir or os.path.join(HERE, 'out', 'study'), run.id))
+    return cfg
+
+def step_tokens(cfg):
+    return cfg['batch_size'] * cfg['block_size'] * cfg['gradient_accumulation_steps']
+
+def train_argv(cfg):
+    return [f'--{k}={v}' for k, v in cfg.items()]
+
+def comparable(cfg):
+    """The config a finished run must match to be reused: all but where files live."""
+    return {k: v for k, v in cfg.items() if k not in ('out_dir', 'data_dir')}
+
+@functools.cache
+def n_params(size, block_size, vocab_size=100352):
+    """Non-embedding parameters (Quartet's N, SPEC.md 6), counted on the meta device."""
+    with torch.device('meta'):
+        return GPT(config_for(size, vocab_size=vocab_size, block_size=block_size)).get_num_params()
+
+# -----------------------------------------------------------------------------
+# records: one JSON a finished run; resuming
+
+def gpu_slug():
+    return torch.cuda.get_device_name().lower().replace(' ', '-') if torch.cuda.is_available() else 'cpu'
+
+def default_dir():
+    return os.path.join(HERE, 'results', gpu_slug(), 'study')
+
+def load_records(directory):
+    """{run id: record} of every run JSON in directory."""
+    records = {}
+    if os.path.isdir(directory):
+        for fn in sorted(os.listdir(directory)):
+            if fn.endswith('.json') and fn != 'report.json':
+                with open(os.path.join(directory, fn)) as f:
+                    rec = json.load(f)
+                records[rec['id']] = rec
+    return records
+
+def split_done(runs, configs, records):
+    """(to run, done): a run is done when its JSON exists. A JSON under the same id made with
+    another config (other flags, changed study settings) is an error, never silently mixed."""
+    todo, done = [], []
+    for run, cfg in zip(runs, configs):
+        rec = records.get(run.id)
+        if rec is None:
+            todo.append((run, cfg))
+            continue
+        old, new = rec['train_config'], comparable(cfg)
+        diff = [f'{k}: {old.get(k)!r} -> {new.get(k)!r}' for k in sorted(set(old) | set(new))
+                if old.get(k) != new.get(k)]
+        if diff:
+            raise ValueError(f"{run.id} exists with another config ({'; '.join(diff)}): give the "
+                             'new runs another --variant name or another --results directory')
+        done.append(rec)
+    return todo, done
+
+def write_json(path, obj):
+    with open(path + '.tmp', 'w') as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + '.tmp', path)
+
+def write_bundle(directory, path):
+    """directory as one .tar.gz, rewritten after every run: for machines whose files are
+    collected from one path (a device lease that may end mid-study)."""
+    with tarfile.open(path + '.tmp', 'w:gz') as tar:
+        tar.add(directory, arcname=os.path.basename(directory))
+    os.replace(path + '.tmp', path)
+
+# -----------------------------------------------------------------------------
+# running: subprocesses of train.py, a time budget, the record
+
+def git_state():
+    def git(*args):
+        p = subprocess.run(['git', *args], cwd=HERE, capture_output=True, text=True, timeout=30)
+        return p.stdout.strip() if p.returncode == 0 else None
+    status = git('status', '--porcelain', '--untracked-files=no')
+    return git('rev-parse', 'HEAD'), None if status is None else bool(status)
+
+def data_path(cfg):
+    return cfg.get('data_dir') or os.path.join(HERE, 'data', cfg.get('dataset', 'pycode'))
+
+def corpus(cfg):
+    """meta.json of the runs' data, with a fingerprint. data/pycode is prepared here if it is
+    missing, once (runs preparing it at once would race), in a fresh process: its worker pool
+    forks, and this one may hold a CUDA context."""
+    path = data_path(cfg)
+    if not os.path.exists(os.path.join(path, 'train.bin')):
+        if cfg.get('data_dir') or cfg.get('dataset', 'pycode') != 'pycode':
+            raise FileNotFoundError(f'{path}/train.bin not found: prepare that corpus first')
+        subprocess.run([sys.executable, os.path.join(path, 'prepare.py')], check=True)
+    with open(os.path.join(path, 'meta.json')) as f:
+        meta = json.load(f)
+    if 'train_sha1' not in meta:  # corpora from other scripts: hash the file
+        sha = hashlib.sha1()
+        with open(os.path.join(path, 'train.bin'), 'rb') as f:
+            for block in iter(lambda: f.read(1 << 24), b''):
+                sha.update(block)
+        meta['train_sha1'] = sha.hexdigest()
+    meta['train_tokens'] = os.path.getsize(os.path.join(path, 'train.bin')) // 4
+    return {k: meta.get(k) for k in ('source', 'train_tokens', 'val_tokens', 'train_sha1', 'max_tokens')}
+
+def estimate_s(run, cfg, records, directory, jobs=1):
+    """Projected wall seconds of a run, for the budget: the median tokens/s and fixed cost
+    (compile, evals) of finished runs of the same size and recipe run `jobs` at a time; else
+    of any such runs, or of the 30M train.py runs beside the study (results/<gpu>/
+    train_30m_<recipe>.json, eager, 16K-token steps; the slowest of them for a recipe without
+    one) scaled by FLOPs a token, plus 120 s, times jobs (sharing the GPU assumed to gain nothing)."""
+    tokens = cfg['max_iters'] * step_tokens(cfg)
+    same = [r for r in records.values() if r['status'] == 'ok' and r['model_size'] == run.size
+            and r['recipe'] == run.recipe and r['tokens_per_s']]
+    same_jobs = [r for r in same if r.get('jobs', 1) == jobs]
+    if same_jobs or same:
+        rs = same_jobs or same
+        tps = statistics.median(r['tokens_per_s'] for r in rs)
+        fixed = statistics.median(max(0.0, r['wall_s'] - r['tokens'] / r['tokens_per_s']) for r in rs)
+        return (fixed + tokens / tps) * (1 if same_jobs else jobs)
+    measured = {}
+    for recipe in RECIPES:
+        path = os.path.join(os.path.dirname(os.path.abspath(directory)), f'train_30m_{recipe}.json')
+        if os.path.exists(path):
+            with open(path) as f:
+                measured[recipe] = json.load(f)['tokens_per_s']
+    tps30 = measured.get(run.recipe, min(measured.values(), default=1e5))
+    scale = flops_per_token(run.size, cfg['block_size']) / flops_per_token('30m', cfg['block_size'])
+    return (120.0 + tokens / (tps30 / scale)) * jobs
+
+def flops_per_token(size, block_size, vocab_size=100352):
+    """6 N for the weights (lm_head included) + 6 L T d for causal attention: a scale only."""
+    c = config_for(size, block_size=block_size)
+    return 6 * (n_params(size, block_size) + vocab_size * c.n_embd) + 6 * c.n_layer * block_size * c.n_embd
+
+def start(run, cfg, inprocess):
+    """A subprocess of train.py (its own process group, so compile workers stop with it),
+    or, inprocess, the run itself (tests, CPU)."""
+    shutil.rmtree(cfg['out_dir'], ignore_errors=True)  # the study's own work dir: no stale summary
+    os.makedirs(cfg['out_dir'])
+    if inprocess:
+        try:
+            train.main(train_argv(cfg))
+            return 0
+        except SystemExit as e:
+            with open(os.path.join(cfg['out_dir'], 'stderr.log'), 'w') as f:
+                f.write(str(e.code))
+            return 1
+    with open(os.path.join(cfg['out_dir'], 'stdout.log'), 'w') as out:  # the child keeps its copy
+        return subprocess.Popen([sys.executable, os.path.join(HERE, 'train.py'), *train_argv(cfg)],
+                                cwd=HERE, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED='1'))
+
+def stop(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+def read_logs(out_dir):
+    text = ''
+    for fn in ('train.log', 'stdout.log', 'stderr.log'):
+        path = os.path.join(out_dir, fn)
+        if os.path.exists(path):
+            with open(path, errors='replace') as f:
+                text += f.read()
+    return text
+
+def make_record(run, cfg, rc, wall_s, context):
+    """The run's JSON from out_dir/summary.json and train.log; None if it failed (retried
+    next time). A run stopped on a non-finite loss is a result: status 'diverged'."""
+    logs = read_logs(cfg['out_dir'])
+    rec = dict(id=run.id, group=run.group, recipe=run.recipe, variant=run.variant,
+               flags=list(run.flags), seed=run.seed, model_size=run.size,
+               tokens_requested=run.tokens, train_config=comparable(cfg), wall_s=wall_s,
+               date=time.strftime('%Y-%m-%d %H:%M:%S'), **context)
+    rec['tokens'] = cfg['max_iters'] * step_tokens(cfg)
+    rec['n_params'] = n_params(run.size, cfg['block_size'])  # Quartet's N: vocab-independent
+    rec['epochs'] = rec['tokens'] / context['corpus']['train_tokens']
+    m = re.search(r'non-finite loss .* at step (\d+)', logs)
+    summary_path = os.path.join(cfg['out_dir'], 'summary.json')
+    if rc == 0 and os.path.exists(summary_path):
+        with open(summary_path) as f:
+            s = json.load(f)
+        curve = s['loss_curve']
+        se = curve.get('val_loss_se') or [math.nan]
+        rec.update(status='ok', val_loss=s['val_loss'], val_loss_se=se[-1],
+                   eval_train_loss=curve['eval_train_loss'][-1], tokens_per_s=s['tokens_per_s'],
+                   train_wall_s=s['wall_s'], peak_mem_gib=s['peak_mem_gib'], device=s['device'],
+                   curve=curve)
+    elif m:
+        rec.update(status='diverged', diverged_step=int(m.group(1)), val_loss=None,
+                   tokens_per_s=None)
+    else:
+        return None
+    line = re.search(r'^python .*$', logs, re.M)
+    rec['versions'] = line.group(0) if line else None
+    return rec
+
+def run_study(runs, directory, base_flags=(), settings=SETTINGS, jobs=1, budget_s=None,
+              inprocess=False, bundle=None, work_dir=None, log=print):
+    """Run what is not done yet, jobs at a time; never start a run whose projected time does
+    not fit in what is left of budget_s, and stop the ones still going when it runs out.
+    Returns (the new records, the runs left undone: failed, skipped or stopped)."""
+    t0 = time.time()
+    configs = [train_config(r, base_flags, settings, work_dir) for r in runs]
+    records = load_records(directory)
+    todo, done = split_done(runs, configs, records)
+    log(f'{len(done)} of {len(runs)} runs done; {len(todo)} to run, {jobs} at a time')
+    if inprocess and jobs != 1:
+        raise ValueError('in-process runs go one at a time (jobs=1)')
+    if not todo:
+        return [], []
+    os.makedirs(directory, exist_ok=True)
+    commit, dirty = git_state()
+    # prepared before the first run starts (the budget counts it): a variant may use other data
+    corpora = {data_path(cfg): cfg for _, cfg in todo}
+    corpora = {path: corpus(cfg) for path, cfg in corpora.items()}
+    for path, c in corpora.items():
+        log(f"corpus {path}: {c['train_tokens']:,} train tokens ({c['source']})")
+    new, left, running = [], [], []
+
+    def left_s():
+        return math.inf if budget_s is None else budget_s - (time.time() - t0)
+
+    while todo or running:
+        while todo and len(running) < jobs:
+            run, cfg = todo.pop(0)
+            est = estimate_s(run, cfg, records, directory, jobs)
+            if est > left_s():
+                log(f'skip {run.id}: projected {est / 60:.1f} min, {left_s() / 60:.1f} left')
+                left.append(run)
+                continue
+            path = data_path(cfg)
+            context = dict(git_commit=commit, git_dirty=dirty, jobs=jobs, corpus=corpora[path])
+            epochs = cfg['max_iters'] * step_tokens(cfg) / corpora[path]['train_tokens']
+            if epochs > 1:
+                log(f'warning: {run.id} reads {epochs:.2f} epochs of its train split ({path}); '
+                    'data/pycode/prepare.py --max_tokens=... makes a larger one where the machine has it')
+            log(f'start {run.id} (projected {est / 60:.1f} min): train.py {" ".join(train_argv(cfg))}')
+            running.append((run, cfg, context, start(run, cfg, inprocess), time.time()))
+        for item in list(running):
+            run, cfg, context, proc, t_start = item
+            rc = proc if isinstance(proc, int) else proc.poll()
+            if rc is None and left_s() > 0:
+                continue
+            running.remove(item)
+            if rc is None:
+                stop(proc)
+                log(f'stopped {run.id}: the budget ran out')
+                left.append(run)
+                continue
+            rec = make_record(run, cfg, rc, time.time() - t_start, context)
+            if rec is None:
+                tail = '\n'.join(read_logs(cfg['out_dir']).splitlines()[-15:])
+                log(f'FAILED {run.id} (exit {rc}); not recorded, so a later call retries it:\n{tail}')
+                left.append(run)
+                continue
+            write_json(os.path.join(directory, run.id + '.json'), rec)
+            records[run.id] = rec
+            new.append(rec)
+            log(f"done {run.id}: {rec['status']}, val loss {rec['val_loss']}, "
+                f"{rec['tokens_per_s'] or 0:,.0f} tok/s, {rec['wall_s'] / 60:.1f} min")
+            if bundle:
+                write_bundle(directory, bundle)
+        if running:
+            time.sleep(1)
+    return new, left
+
+def plan(runs, directory, base_flags=(), settings=SETTINGS, jobs=1, log=print):
+    """What `run` would do, with projected times; runs nothing."""
+    configs = [train_config(r, base_flags, settings) for r in runs]
+    records = load_records(directory)
+    todo, done = split_done(runs, configs, records)
+    total = 0.0
+    for run, cfg in todo:
+        est = estimate_s(run, cfg, records, directory, jobs)
+        total += est
+        log(f'{run.id}: {cfg["max_iters"]} steps, projected {est / 60:.1f} min')
+    log(f'{len(done)} done, {len(todo)} to run: projected {total / 60:.0f} min of runs, {jobs} at a '
+        f'time ({total / 60 / jobs:.0f} min of wall time)')
+    return todo
+
+# -----------------------------------------------------------------------------
+# statistics: Student-t intervals on paired differences
+
+def t_two_sided(t, df):
+    """P(|T| <= t) for Student's t with integer df (Abramowitz & Stegun 26.7.3-26.7.4)."""
+    theta = math.atan(t / math.sqrt(df))
+    c2, s = math.cos(theta) ** 2, math.sin(theta)
+    if df % 2 == 0:
+        term = total = 1.0
+        for k in range(1, df // 2):
+            term *= c2 * (2 * k - 1) / (2 * k)
+            total += term
+        return s * total
+    term = total = math.cos(theta)
+    for k in range(1, (df - 1) // 2):
+        term *= c2 * (2 * k) / (2 * k + 1)
+        total += term
+    return 2 / math.pi * (theta + (s * total if df > 1 else 0.0))
+
+def t_quantile(p, df):
+    """The p-quantile (p > 0.5) of Student's t with df degrees of freedom, by bisection."""
+    if not 0.5 < p < 1 or df < 1:
+        raise ValueError(f'need 0.5 < p < 1 and df >= 1, got p={p}, df={df}')
+    lo, hi = 0.0, 1.0
+    while t_two_sided(hi, df) < 2 * p - 1:
+        hi *= 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_two_sided(mid, df) < 2 * p - 1 else (lo, mid)
+    return (lo + hi) / 2
+
+def paired_gap(ref, other, level=0.95):
+    """ref, other: {seed: val loss}. The relative gap other/ref - 1 per shared seed, its mean
+    and the t-interval mean +- t(1 - (1-level)/2, n-1) sd / sqrt(n); the same in nats.
+    Pairing removes what the seed does to both runs (init, data order, eval batches)."""
+    seeds = sorted(set(ref) & set(other))
+    rel = [other[s] / ref[s] - 1 for s in seeds]
+    nats = [other[s] - ref[s] for s in seeds]
+    out = dict(n=len(seeds), seeds=seeds)
+    for name, xs in (('rel', rel), ('nats', nats)):
+        mean = statistics.fmean(xs) if xs else math.nan
+        half = math.nan
+        if len(xs) >= 2:
+            half = t_quantile(1 - (1 - level) / 2, len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
+        out.update({name: mean, f'{name}_lo': mean - half, f'{name}_hi': mean + half})
+    return out
+
+# -----------------------------------------------------------------------------
+# the scaling law, Quartet's form (SPEC.md 6), fitted by least squares
+
+def law_loss(N, D, p, eff_n=1.0, eff_d=1.0):
+    """L = (A / (N effN)^a + B / (D effD)^b)^g + E; N non-embedding parameters, D tokens."""
+    return (p['A'] / (N * eff_n) ** p['a'] + p['B'] / (D * eff_d) ** p['b']) ** p['g'] + p['E']
+
+def _jacobian(residual, theta):
+    cols = []
+    for i in range(len(theta)):
+        h = 1e-6 * max(1.0, abs(theta[i]))
+        up, down = theta.copy(), theta.copy()
+        up[i] += h
+        down[i] -= h
+        cols.append((residual(up) - residual(down)) / (2 * h))
+    return np.stack(cols, axis=1)
+
+def levenberg_marquardt(residual, theta, iters=500):
+    """Minimise |residual(theta)|^2 from theta. Returns (theta, Jacobian, residuals)."""
+    theta = np.asarray(theta, dtype=np.float64)
+    r = residual(theta)
+    cost, lam = r @ r, 1e-3
+    for _ in range(iters):
+        J = _jacobian(residual, theta)
+        JtJ, grad = J.T @ J, J.T @ r
+        while lam < 1e12:  # raise the damping until a step lowers the cost
+            step = np.linalg.lstsq(JtJ + lam * np.diag(np.diag(JtJ) + 1e-12), -grad, rcond=None)[0]
+            r_new = residual(theta + step)
+            if np.all(np.isfinite(r_new)) and r_new @ r_new < cost:
+                break
+            lam *= 4
+        else:
+            break  # no step helps: a minimum, to the precision of the Jacobian
+        gain = (cost - r_new @ r_new) / max(cost, 1e-300)
+        theta, r, cost, lam = theta + step, r_new, r_new @ r_new, max(lam / 3, 1e-12)
+        if gain < 1e-15 or cost < 1e-30:
+            break
+    return theta, _jacobian(residual, theta), r
+
+def _start(N, D, L, n_groups):
+    """A, B, E to start from, Quartet's exponents: for each E on a grid below the smallest
+    loss, (L - E)^(1/g) = A N^-a + B D^-b is linear in A and B."""
+    q = QUARTET_LAW
+    X = np.stack([N ** -q['a'], D ** -q['b']], axis=1)
+    best = None
+    for E in np.linspace(0.0, L.min() - 1e-3, 60):
+        u = (L - E) ** (1 / q['g'])
+        AB = np.maximum(np.linalg.lstsq(X, u, rcond=None)[0], 1e-6 * u.mean() / X.mean(axis=0))
+        sse = np.sum(((X @ AB) ** q['g'] + E - L) ** 2)
+        if best is None or sse < best[0]:
+            best = (sse, np.log(AB[0]), np.log(AB[1]), E)
+    return np.array([best[1], best[2], best[3]] + [0.0] * (2 * n_groups))
+
+def fit_law(cells, ref=REFERENCE, exponents='quartet', start=None):
+    """Fit cells [(group, N, D, loss)]: A, B, E shared by every group (and a, b, g when
+    exponents='free'; else Quartet's BF16 exponents), effN and effD per group, the reference
+    group's fixed at 1. Standard errors from the Jacobian: s^2 (J^T J)^-1, s^2 = SSE / dof."""
+    if exponents not in ('quartet', 'free'):
+        raise ValueError(f"exponents must be 'quartet' or 'free', got {exponents!r}")
+    groups = sorted({c[0] for c in cells} - {ref})
+    N, D, L = (np.array([c[i] for c in cells], dtype=np.float64) for i in (1, 2, 3))
+    row = np.array([groups.index(c[0]) + 1 if c[0] != ref else 0 for c in cells])
+    if not (row == 0).any():
+        raise ValueError(f'the law fit needs runs of the reference recipe {ref!r}')
+    k = 6 if exponents == 'free' else 3  # shared parameters before the per-group ones
+
+    def unpack(theta):
+        p = dict(A=math.exp(theta[0]), B=math.exp(theta[1]), E=theta[2])
+        if k == 6:
+            p.update(a=math.exp(theta[3]), b=math.exp(theta[4]), g=math.exp(theta[5]))
+        else:
+            p.update(a=QUARTET_LAW['a'], b=QUARTET_LAW['b'], g=QUARTET_LAW['g'])
+        log_eff = np.concatenate([[0.0, 0.0], theta[k:]]).reshape(-1, 2)  # row 0: the reference
+        return p, np.exp(log_eff[row])                                     # (cells, 2)
+
+    def residual(theta):
+        p, eff = unpack(theta)
+        return law_loss(N, D, p, eff[:, 0], eff[:, 1]) - L
+
+    if start is None:
+        start = _start(N[row == 0], D[row == 0], L[row == 0], len(groups))
+        if k == 6:
+            q = QUARTET_LAW
+            start = np.concatenate([start[:3], np.log([q['a'], q['b'], q['g']]), start[3:]])
+    theta, J, r = levenberg_marquardt(residual, start)
+    dof = len(L) - len(theta)
+    se = np.full(len(theta), math.nan)
+    if dof > 0:
+        se = np.sqrt(np.diag(r @ r / dof * np.linalg.pinv(J.T @ J)))
+    p, _ = unpack(theta)
+    # effN = exp(theta): its standard error is effN * se(theta) (delta method)
+    eff = {g: (math.exp(theta[k + 2 * i]), math.exp(theta[k + 2 * i + 1])) for i, g in enumerate(groups)}
+    eff_se = {g: (eff[g][0] * se[k + 2 * i], eff[g][1] * se[k + 2 * i + 1]) for i, g in enumerate(groups)}
+    exp_se = {n: p[n] * se[j] for j, n in ((3, 'a'), (4, 'b'), (5, 'g'))} if k == 6 else {}
+    return dict(params=p, eff=eff, eff_se=eff_se, exponent_se=exp_se, exponents=exponents,
+                rms=float(np.sqrt(np.mean(r ** 2))), n=len(L), dof=dof, theta=theta)
+
+def fit_auto(cells, ref=REFERENCE, max_rel_se=0.3):
+    """Free exponents where the data pins them (>= 3 sizes and >= 3 budgets of the reference,
+    each exponent's standard error under max_rel_se of it), else Quartet's. Says which."""
+    fixed = fit_law(cells, ref, 'quartet')
+    ref_cells = [c for c in cells if c[0] == ref]
+    sizes, budgets = len({c[1] for c in ref_cells}), len({c[2] for c in ref_cells})
+    why = f'{sizes} sizes x {budgets} token budgets of {ref}'
+    if sizes >= 3 and budgets >= 3:
+        t = fixed['theta']
+        free = fit_law(cells, ref, 'free', start=np.concatenate(
+            [t[:3], np.log([QUARTET_LAW[n] for n in 'abg']), t[3:]]))
+        rel = [free['exponent_se'][n] / free['params'][n] for n in 'abg']
+        if all(np.isfinite(rel)) and max(rel) < max_rel_se:
+            free['note'] = f'exponents a, b, g fitted ({why})'
+            return free
+        why += f'; fitted exponents had relative standard errors up to {max(rel):.2f}'
+    fixed['note'] = (f"exponents fixed to Quartet's BF16 fit (a={QUARTET_LAW['a']}, "
+                     f"b={QUARTET_LAW['b']}, g={QUARTET_LAW['g']}): the data ({why}) cannot pin them")
+    return fixed
+
+def bootstrap_eff(seed_losses, ref, exponents, start, n_boot=200, rng_seed=0, level=0.95):
+    """Percentile intervals of effN, effD: refit on cell means of seeds drawn with replacement.
+    One draw of seed ids serves every cell, so the pairing of recipes by seed is kept.
+    seed_losses: {(group, N, D): {seed: loss}}. Returns {group: ((lo, hi) effN, (lo, hi) effD)}."""
+    seeds = sorted({s for v in seed_losses.values() for s in v})
+    if len(seeds) < 2:
+        return {}
+    rng = np.random.default_rng(rng_seed)
+    draws = {}
+    for _ in range(n_boot):
+        pick = rng.choice(seeds, size=len(seeds))
+        cells = [(g, N, D, float(np.mean([v[s] for s in pick if s in v] or list(v.values()))))
+                 for (g, N, D), v in seed_losses.items()]
+        for g, e in fit_law(cells, ref, exponents, start=start)['eff'].items():
+            draws.setdefault(g, []).append(e)
+    q = [50 * (1 - level), 100 - 50 * (1 - level)]
+    return {g: tuple(tuple(np.percentile(np.array(v)[:, j], q)) for j in (0, 1)) for g, v in draws.items()}
+
+# -----------------------------------------------------------------------------
+# report: tables, curves, the law
+
+def by_cell(records):
+    """{(size, tokens): {group: {seed: record}}} of every run, cells ordered by N then D."""
+    cells = {}
+    for rec in records.values():
+        cells.setdefault((rec['model_size'], rec['tokens']), {}).setdefault(rec['group'], {})[rec['seed']] = rec
+    order = sorted(cells, key=lambda c: (min(r['n_params'] for g in cells[c].values() for r in g.values()), c[1]))
+    return {c: cells[c] for c in order}
+
+def group_order(groups):
+    rank = {r: i for i, r in enumerate(RECIPES)}
+    return sorted(groups, key=lambda g: ('+' in g, rank.get(g.split('+')[0], 99), g))
+
+def reference_of(group, groups):
+    """The runs a group's gap is taken against: bf16 under the same variant if the cell has
+    it (e.g. bf16+root for quartet+root), else plain bf16."""
+    variant = group.partition('+')[2]
+    same = f'{REFERENCE}+{variant}' if variant else REFERENCE
+    return same if same in groups and same != group else REFERENCE
+
+def val_losses(runs):
+    return {s: r['val_loss'] for s, r in runs.items() if r['status'] == 'ok'}
+
+def gap_rows(records):
+    """One row per (cell, group): losses over seeds, the paired gap to its reference."""
+    rows = []
+    for (size, tokens), groups in by_cell(records).items():
+        for group in group_order(groups):
+            runs = groups[group]
+            ok = [r for r in runs.values() if r['status'] == 'ok']
+            losses = val_losses(runs)
+            any_run = next(iter(runs.values()))
+            ref = reference_of(group, groups)
+            row = dict(size=size, tokens=tokens, group=group, ref=ref, seeds=sorted(losses),
+                       diverged=sorted(s for s, r in runs.items() if r['status'] == 'diverged'),
+                       tokens_per_param=tokens / any_run['n_params'], epochs=any_run['epochs'],
+                       mean=statistics.fmean(losses.values()) if losses else math.nan,
+                       sd=statistics.stdev(losses.values()) if len(losses) > 1 else math.nan,
+                       eval_se=statistics.median(r['val_loss_se'] for r in ok) if ok else math.nan,
+                       tokens_per_s=statistics.median(r['tokens_per_s'] for r in ok) if ok else math.nan,
+                       commits=sorted({r['git_commit'] or '?' for r in runs.values()}),
+                       corpora=sorted({r['corpus']['train_sha1'] for r in runs.values()}))
+            if group != ref and ref in groups:
+                row['gap'] = paired_gap(val_losses(groups[ref]), losses)
+            base = group.partition('+')[0]
+            if '+' in group and base in groups:
+                row['vs_base'] = paired_gap(val_losses(groups[base]), losses)
+            rows.append(row)
+    return rows
+
+def fmt_gap(gap):
+    if gap is None or gap['n'] == 0:
+        return '—', '—'
+    if gap['n'] < 2:
+        return f"{100 * gap['rel']:+.2f}%", 'one seed: none'
+    return f"{100 * gap['rel']:+.2f}%", f"[{100 * gap['rel_lo']:+.2f}%, {100 * gap['rel_hi']:+.2f}%]"
+
+def gap_table(rows):
+    lines = ['| size | tokens | tokens/param | recipe | seeds | val loss (mean ± sd) | gap (paired) '
+             '| 95% interval | eval SE | tokens/s |', '|' + '---|' * 10]
+    for r in rows:
+        gap, interval = fmt_gap(r.get('gap'))
+        if r.get('gap'):
+            gap += f" vs {r['ref']}" if r['ref'] != REFERENCE else ''
+        sd = f" ± {r['sd']:.4f}" if np.isfinite(r['sd']) else ''
+        seeds = f"{len(r['seeds'])}" + (f" (+{len(r['diverged'])} diverged)" if r['diverged'] else '')
+        lines.append(f"| {r['size']} | {tokens_label(r['tokens'])} | {r['tokens_per_param']:.3g} "
+                     f"| {r['group']} | {seeds} | {r['mean']:.4f}{sd} | {gap} | {interval} "
+                     f"| {r['eval_se']:.4f} | {r['tokens_per_s']:,.0f} |")
+    return '\n'.join(lines)
+
+def law_section(records, exponents='auto', n_boot=200):
+    """The fit over the val-loss means of every (group, N, D) cell; markdown and numbers."""
+    seed_losses = {}
+    for (size, tokens), groups in by_cell(records).items():
+        for group, runs in groups.items():
+            losses = val_losses(runs)
+            if losses:
+                n = next(iter(runs.values()))['n_params']
+                seed_losses[(group, n, tokens)] = losses
+    ref = [k for k in seed_losses if k[0] == REFERENCE]
+    sizes, budgets = len({k[1] for k in ref}), len({k[2] for k in ref})
+    if sizes < 3 or budgets < 2:
+        return (f'Law fit: not yet; it needs {REFERENCE} runs at >= 3 sizes x >= 2 token budgets, '
+                f'there are {sizes} x {budgets}.'), None
+    count = {}
+    for g, _, _ in seed_losses:
+        count[g] = count.get(g, 0) + 1
+    seed_losses = {k: v for k, v in seed_losses.items() if count[k[0]] >= 2}  # 2 unknowns a group
+    cells = [(g, n, d, statistics.fmean(v.values())) for (g, n, d), v in seed_losses.items()]
+    fit = fit_auto(cells) if exponents == 'auto' else fit_law(cells, exponents=exponents)
+    if exponents != 'auto':
+        fit['note'] = f'exponents: {exponents}'
+    boot = bootstrap_eff(seed_losses, REFERENCE, fit['exponents'], fit['theta'], n_boot)
+    p = fit['params']
+    lines = [f"Law fit over {fit['n']} cells (mean val loss over seeds): {fit['note']}. "
+             f"A = {p['A']:.4g}, a = {p['a']:.4f}, B = {p['B']:.4g}, b = {p['b']:.4f}, "
+             f"g = {p['g']:.4f}, E = {p['E']:.4f}; rms residual {fit['rms']:.4f} nats.", '',
+             '| recipe | effN ± SE (fit) | 95% (bootstrap over seeds) | effD ± SE (fit) '
+             '| 95% (bootstrap over seeds) | Quartet (effN, effD) |', '|---|---|---|---|---|---|']
+    for g in group_order(fit['eff']):
+        (en, ed), (sn, sd), b = fit['eff'][g], fit['eff_se'][g], boot.get(g)
+        ci = [f'[{lo:.3f}, {hi:.3f}]' for lo, hi in b] if b else ['one seed: none'] * 2
+        pub = QUARTET_EFF.get(g)
+        lines.append(f"| {g} | {en:.3f} ± {sn:.3f} | {ci[0]} | {ed:.3f} ± {sd:.3f} | {ci[1]} | "
+                     f"{f'{pub[0]}, {pub[1]}' if pub else '—'} |")
+    fit['bootstrap'] = boot
+    return '\n'.join(lines), fit
+
+def smooth(x, window):
+    x = np.asarray(x, dtype=np.float64)
+    if window <= 1 or len(x) < window:
+        return x
+    return np.convolve(x, np.ones(window) / window, mode='valid')
+
+def plot_cell(size, tokens, groups, path):
+    """Train loss (smoothed) with a min-max band over seeds, val points; the paired gap to
+    bf16 in % from the smoothed train losses, with its band."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, (ax, axg) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ref = {s: r for s, r in groups.get(REFERENCE, {}).items() if r['status'] == 'ok'}
+    lo_y, hi_y, gaps = math.inf, -math.inf, [0.0]
+    for group in group_order(groups):
+        runs = {s: r for s, r in groups[group].items() if r['status'] == 'ok'}
+        if not runs:
+            continue
+        steps = len(next(iter(runs.values()))['curve']['train_loss'])
+        tokens_a_step = tokens / steps
+        w = max(1, steps // 40)
+        curves = np.stack([smooth(r['curve']['train_loss'], w) for r in runs.values()])
+        x = (np.arange(curves.shape[1]) + (w + 1) / 2) * tokens_a_step / 1e6  # window centres
+        line, = ax.plot(x, curves.mean(0), lw=1.2, label=f'{group} ({len(runs)} seeds)')
+        ax.fill_between(x, curves.min(0), curves.max(0), color=line.get_color(), alpha=0.25)
+        vs = np.array(next(iter(runs.values()))['curve']['val_steps']) * tokens_a_step / 1e6
+        vl = np.mean([r['curve']['val_loss'] for r in runs.values()], axis=0)
+        ax.plot(vs, vl, 'o', color=line.get_color(), ms=4)
+        tail = curves.mean(0)[len(x) // 5:]
+        lo_y, hi_y = min(lo_y, tail.min()), max(hi_y, tail.max())
+        pairs = [s for s in runs if s in ref]
+        if group != REFERENCE and pairs:
+            rel = np.stack([smooth(runs[s]['curve']['train_loss'], w) /
+                            smooth(ref[s]['curve']['train_loss'], w) - 1 for s in pairs]) * 100
+            axg.plot(x, rel.mean(0), color=line.get_color(), lw=1.2, label=f'{group} ({len(pairs)} pairs)')
+            axg.fill_between(x, rel.min(0), rel.max(0), color=line.get_color(), alpha=0.25)
+            gaps += [rel.min(0)[len(x) // 5:].min(), rel.max(0)[len(x) // 5:].max()]
+    if np.isfinite(lo_y):
+        ax.set_ylim(lo_y - 0.05 * (hi_y - lo_y + 0.1), hi_y + 0.05 * (hi_y - lo_y + 0.1))
+    ax.set(xlabel='tokens (M)', ylabel='train loss (smoothed); dots: val',
+           title=f'{size}, {tokens_label(tokens)} tokens: band = min..max over seeds')
+    axg.axhline(0, color='k', lw=0.6)
+    axg.set(xlabel='tokens (M)', ylabel=f'train loss / {REFERENCE} - 1 (%)',
+            title='paired gap to bf16 (same seed), band = min..max over pairs')
+    axg.set_ylim(min(gaps) - 0.5, max(gaps) + 0.5)  # the first fifth (warmup) may leave the frame
+    for a in (ax, axg):
+        a.grid(alpha=0.3)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+def plot_law(fit, records, path):
+    """Per group: the seed-mean val loss of each (size, budget) and the fitted law's curves."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+    groups = [REFERENCE] + group_order(fit['eff'])
+    fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 4), sharey=True, squeeze=False)
+    cells = by_cell(records)
+    for ax, group in zip(axes[0], groups):
+        en, ed = fit['eff'].get(group, (1.0, 1.0))
+        for size in dict.fromkeys(s for s, _ in cells):  # by_cell orders them by N
+            pts = [(d, statistics.fmean(val_losses(g[group]).values()),
+                    next(iter(g[group].values()))['n_params'])
+                   for (s, d), g in cells.items() if s == size and val_losses(g.get(group, {}))]
+            if not pts:
+                continue
+            d = np.array([p[0] for p in pts])
+            dd = np.geomspace(d.min() / 1.5, d.max() * 1.5, 50)
+            line, = ax.plot(dd / 1e6, law_loss(pts[0][2], dd, fit['params'], en, ed), lw=1)
+            ax.plot(d / 1e6, [p[1] for p in pts], 'o', color=line.get_color(), label=size)
+        ax.set(xscale='log', xlabel='tokens (M)', title=f'{group}: effN {en:.2f}, effD {ed:.2f}')
+        for axis in (ax.xaxis.set_major_formatter, ax.xaxis.set_minor_formatter):
+            axis(matplotlib.ticker.FuncFormatter(lambda v, _: f'{v:g}'))  # 20, not 2x10^1
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel('val loss; lines: the fitted law')
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+def report(directory, exponents='auto', n_boot=200, log=print):
+    """Write directory/report.md (the tables the README includes), report.json and the PNGs."""
+    records = load_records(directory)
+    if not records:
+        raise FileNotFoundError(f'no run JSONs in {directory}: run `python study.py run` first')
+    rows = gap_rows(records)
+    law_md, fit = law_section(records, exponents, n_boot)
+    cells = by_cell(records)
+    pngs = []
+    for (size, tokens), groups in cells.items():
+        name = f'curves_{size}_{tokens_label(tokens)}.png'
+        plot_cell(size, tokens, groups, os.path.join(directory, name))
+        pngs.append(name)
+    if fit:
+        plot_law(fit, records, os.path.join(directory, 'law.png'))
+        pngs.append('law.png')
+    noise = [f"{r['size']} {tokens_label(r['tokens'])}: seed sd {r['sd']:.4f}, eval SE {r['eval_se']:.4f}"
+             for r in rows if r['group'] == REFERENCE and np.isfinite(r['sd'])]
+    commits = sorted({c for r in rows for c in r['commits']})
+    corpora = sorted({c for r in rows for c in r['corpora']})
+    variants = [r for r in rows if r.get('vs_base')]
+    md = [f'Val loss after the same tokens, per recipe; gap = mean over seeds of L(recipe, seed) / '
+          f'L(bf16, seed) - 1, the runs paired by seed (same init, data order and eval batches); '
+          f'95% interval = Student t on those paired gaps (n - 1 degrees of freedom); eval SE = '
+          f'standard error of one val loss over its eval batches (median over seeds).', '',
+          gap_table(rows), '']
+    if variants:
+        md += ['Variants against their own recipe (paired by seed):', '',
+               '| size | tokens | variant | gap | 95% interval |', '|---|---|---|---|---|']
+        md += [f"| {r['size']} | {tokens_label(r['tokens'])} | {r['group']} | "
+               f"{' | '.join(fmt_gap(r['vs_base']))} |" for r in variants]
+        md.append('')
+    md += [f'Published: {PUBLISHED}.', '',
+           'Eval noise beside seed noise (bf16): ' + ('; '.join(noise) or 'needs >= 2 seeds') + '.', '',
+           law_md, '', 'Plots: ' + ', '.join(f'`{p}`' for p in pngs) + '.',
+           f"Code: {', '.join(c[:10] for c in commits)}; corpus (train.bin SHA-1): "
+           f"{', '.join(c[:10] for c in corpora)}" + (' (MIXED: runs from different corpora)'
+                                                     if len(corpora) > 1 else '') + '.']
+    text = '\n'.join(md) + '\n'
+    with open(os.path.join(directory, 'report.md'), 'w') as f:
+        f.write(text)
+    if fit:
+        fit = {k: v for k, v in fit.items() if k != 'theta'}
+    write_json(os.path.join(directory, 'report.json'), dict(rows=rows, law=fit))
+    log(text)
+    return rows, fit
+
+# -----------------------------------------------------------------------------
+# command line
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags = argv[argv.index('--') + 1:] if '--' in argv else []
+    argv = argv[:argv.index('--')] if '--' in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0].strip())
+    sub = parser.add_subparsers(dest='command', required=True)
+    for name in ('run', 'plan'):
+        p = sub.add_parser(name, help=f'{name} the runs not done yet (train.py flags of a variant after --)')
+        p.add_argument('--recipes', default='bf16,quartet,nvfp4,quartet2')
+        p.add_argument('--seeds', default='0,1,2')
+        p.add_argument('--sizes', default='30m', help=f"model sizes: {', '.join(SIZES)}")
+        p.add_argument('--tokens', default='50e6', help='token budgets, e.g. 25e6,50e6')
+        p.add_argument('--variant', default='', help='the name of the train.py flags given after --')
+        p.add_argument('--jobs', type=int, default=1, help='runs at once on the one GPU')
+        p.add_argument('--budget_min', type=float, default=None,
+                       help='start only runs that fit in these minutes; stop what runs at the end')
+        p.add_argument('--bundle', default=None, help='rewrite this .tar.gz of the results after each run')
+        p.add_argument('--data_dir', default='', help="train.py's data_dir for every run")
+        p.add_argument('--results', default=None, help='default: results/<gpu>/study')
+        p.add_argument('--inprocess', action='store_true', help='run train.main here (no subprocess)')
+    p = sub.add_parser('report', help='tables, curves and the law fit from the run JSONs')
+    p.add_argument('--results', default=None, help='default: results/<gpu>/study')
+    p.add_argument('--law', default='auto', choices=('auto', 'quartet', 'free'),
+                   help="exponents: fitted where the data pins them (auto), Quartet's, or fitted")
+    p.add_argument('--boot', type=int, default=200, help='bootstrap resamples for effN, effD')
+    args = parser.parse_args(argv)
+    directory = args.results or default_dir()
+    if args.command == 'report':
+        report(directory, args.law, args.boot)
+        return 0
+    runs = grid(args.recipes.split(','), [int(s) for s in args.seeds.split(',')],
+                args.sizes.split(','), [float(t) for t in args.tokens.split(',')], args.variant, flags)
+    base = [f'--data_dir={args.data_dir}'] if args.data_dir else []
+    if args.command == 'plan':
+        plan(runs, directory, base, jobs=args.jobs)
+        return 0
+    budget = args.budget_min * 60 if args.budget_min else None
+    new, left = run_study(runs, directory, base, jobs=args.jobs, budget_s=budget,
+                          inprocess=args.inprocess, bundle=args.bundle)
+    print(f'{len(new)} runs recorded in {directory}; {len(left)} left for a later call')
+    return 0
+
+if __name__ == '__main__':
+    try:
+        sys.exit(main())
+    except (ValueError, configurator.ConfigError) as e:
+        sys.exit(f'study.py: {e}')
