@@ -299,9 +299,10 @@ def section_linear(args):
         grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         ref = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
         layers = {"bf16": ref, "fp8-rowwise": lambda t: FP8RowwiseLinear.apply(t, ref.weight)}
-        for recipe in ("quartet", "nvfp4", "quartet2"):
+        for recipe in ("quartet", "nvfp4", "quartet2", "fullstack"):
             lin = fp4.FP4Linear(k, n, recipe=recipe, device="cuda", dtype=torch.bfloat16)
             lin.weight = ref.weight
+            fp4.refit_lora(lin)  # fullstack's L from this weight (no-op for the others)
             layers[recipe] = lin
         base = None
         runs = {name: _fwd_bwd(layer, x, grad) for name, layer in layers.items()}
@@ -377,7 +378,7 @@ def _fp8_model(model):
 # file's FP8 linear), and torchao's float8 training ("float8-tensorwise", "float8-rowwise"; skipped
 # with the reason where torchao is not installed). All convert the same block linears; lm_head,
 # embeddings, norms and attention stay BF16 everywhere.
-STEP_VARIANTS = ("bf16", "float8-tensorwise", "float8-rowwise", "quartet", "nvfp4", "quartet2")
+STEP_VARIANTS = ("bf16", "float8-tensorwise", "float8-rowwise", "quartet", "nvfp4", "quartet2", "fullstack")
 
 
 class SkipVariant(Exception):
@@ -406,6 +407,7 @@ def _step_model(args, variant):
         net = _fp8_model(net)
     else:
         net = llama.apply_recipe(net, variant)
+        fp4.refit_lora(net)  # fullstack: fit L as train.py does at step 0 (no-op for the others)
     return net, net.configure_optimizers(0.1, 1e-4, (0.9, 0.95)), cfg
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-RECIPES = ('bf16', 'quartet', 'nvfp4', 'quartet2')
+RECIPES = ('bf16', 'quartet', 'nvfp4', 'quartet2', 'fullstack')
 
 # -----------------------------------------------------------------------------
 # config and named sizes
@@ -31,6 +31,8 @@ class GPTConfig:
     ffn_hidden: int = 0       # 0: 8d/3 rounded up to a multiple of 256 (Quartet's rule)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    lora_rank: int = 0        # fullstack: rank of each block linear's BF16 part (SPEC 8.4);
+                              # 0: fp4.lora_rank_for's rule (n_embd / 16), -1: none (ablation)
 
     def __post_init__(self):
         if self.n_kv_head == 0:
@@ -240,6 +242,8 @@ def apply_recipe(model, recipe):
     blocks = fp4_blocks(model.config.n_layer, recipe)
     if blocks:
         import fp4  # only the FP4 recipes need it
+        # fullstack: L = 0 until fp4.refit_lora(model) (train.py refits at step 0)
+        lora = {'lora_rank': model.config.lora_rank} if recipe == 'fullstack' else {}
         for i in blocks:
-            fp4.to_fp4(model.transformer.h[i], recipe)
+            fp4.to_fp4(model.transformer.h[i], recipe, **lora)
     return model

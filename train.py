@@ -7,7 +7,8 @@ $ python train.py config/quartet_30m.py --resume=True
 $ torchrun --standalone --nproc_per_node=8 train.py config/quartet_30m.py
 $ torchrun --standalone --nproc_per_node=8 train.py config/llama_1b.py --fsdp=True  # sharded
 
-Recipes (SPEC.md 5): bf16 (baseline), quartet (MXFP4), nvfp4 (NVIDIA), quartet2 (Quartet II).
+Recipes (SPEC.md 5): bf16 (baseline), quartet (MXFP4), nvfp4 (NVIDIA), quartet2 (Quartet II),
+fullstack (NVFP4 four-over-six + a BF16 LoRA-SVD part, SPEC.md 8.4).
 Writes to out_dir: train.log (config, versions, GPU, every step), ckpt.pt, loss.png,
 summary.json.
 """
@@ -48,6 +49,8 @@ data_dir = ''             # set to read the .bin files from elsewhere
 # model
 n_kv_head = 0             # 0: as many kv heads as query heads; fewer: GQA
 recipe = 'quartet'        # one of model.RECIPES
+lora_rank = 0             # fullstack: rank of the BF16 part; 0: the default rule, -1: none
+lora_refit_interval = 4000  # fullstack: refit L by randomized SVD every this many steps (and at 0)
 # AdamW and the lr schedule (Quartet's: betas (0.9, 0.95), wd 0.1, clip 1, cosine, 10% warmup)
 optimizer = 'adamw'  # adamw | adamw_fp4 | muon | root | root_fp4 (optim.build)
 weight_decay = 0.1
@@ -408,7 +411,7 @@ def init_run(rank, data_meta):
     else:
         vocab = 128 * math.ceil(data_meta['vocab_size'] / 128)  # pad: GEMM-friendly
         model_args = asdict(config_for(model_size, vocab_size=vocab, block_size=block_size,
-                                       n_kv_head=n_kv_head))
+                                       n_kv_head=n_kv_head, lora_rank=lora_rank))
     model = build_model(model_args)
     if ckpt:
         check_resume_fsdp(ckpt)
@@ -520,6 +523,10 @@ def main(argv=None):
             lr = get_lr(iter_num, warmup, decay_iters)
             for group in optimizer.param_groups:
                 group['lr'] = lr
+            if recipe == 'fullstack' and lora_refit_interval > 0 and iter_num % lora_refit_interval == 0:
+                import fp4  # L = the top-r part of W, fixed until the next refit (SPEC.md 8.4)
+                n_refit = fp4.refit_lora(raw_model, seed=iter_num)
+                log(f'step {iter_num}: LoRA-SVD refit of {n_refit} linears')
             t0 = time.time()
             loss, norm = train_step(model, optimizer, data, iter_num, accum, rank, ctx)
             dt = time.time() - t0
