@@ -374,9 +374,10 @@ def _fp8_model(model):
 def section_step(args):
     import model as llama
     rows, base = [], None
-    for recipe in ("bf16", "fp8-rowwise", "quartet", "nvfp4", "quartet2"):
+    runs = [(r, "bf16") for r in ("bf16", "fp8-rowwise", "quartet", "nvfp4", "quartet2")]
+    for recipe, attention in runs + [("bf16", "nvfp4"), ("quartet", "nvfp4")]:  # + FP4 attention
         torch.manual_seed(0)
-        cfg = llama.config_for(args.model, block_size=args.seq)
+        cfg = llama.config_for(args.model, block_size=args.seq, attention=attention)
         net = llama.GPT(cfg).cuda()
         net = _fp8_model(net) if recipe == "fp8-rowwise" else llama.apply_recipe(net, recipe)
         opt = net.configure_optimizers(0.1, 1e-4, (0.9, 0.95))
@@ -397,14 +398,108 @@ def section_step(args):
         peak = torch.cuda.max_memory_allocated() / 2**30
         tok_s = args.batch * args.seq / (ms / 1000)
         base = base or (tok_s, peak)
-        rows.append(dict(model=args.model, recipe=recipe, tokens_per_step=args.batch * args.seq,
+        rows.append(dict(model=args.model, recipe=recipe, attention=attention, tokens_per_step=args.batch * args.seq,
                          ms=round(ms, 1), tokens_per_s=round(tok_s), vs_bf16=round(tok_s / base[0], 3),
                          peak_gib=round(peak, 2), mem_vs_bf16=round(peak / base[1], 3)))
         del net, opt
         torch.cuda.empty_cache()
-    print_table(rows, ["model", "recipe", "tokens_per_step", "ms", "tokens_per_s", "vs_bf16", "peak_gib", "mem_vs_bf16"])
+    print_table(rows, ["model", "recipe", "attention", "tokens_per_step", "ms", "tokens_per_s", "vs_bf16", "peak_gib",
+                       "mem_vs_bf16"])
     return rows
 
+
+
+# ---------------------------------------------------------------------------------------------
+# attention: FP4 attention (attention.py) forward + backward against SDPA's BF16 backends, one run
+
+ATTN_SHAPE = (8, 16, 2048, 128)  # B, H, T, D: the 1b model's attention, causal
+
+
+def _saved_tensor_bytes(fn):
+    """Bytes of the distinct tensors autograd saves for the backward while fn() runs."""
+    seen = {}
+
+    def pack(t):
+        seen[(t.data_ptr(), t.dtype, tuple(t.shape))] = t.numel() * t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return sum(seen.values())
+
+
+def _attention_variants(attn):
+    """name -> (context manager factory, attention function of q, k, v)."""
+    from contextlib import nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    sdpa = lambda q, k, v: attn.attention(q, k, v, causal=True)  # noqa: E731
+    variants = {f"sdpa {name} (bf16)": (lambda b=backend: sdpa_kernel(b), sdpa) for name, backend in
+                (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                 ("efficient", SDPBackend.EFFICIENT_ATTENTION))}
+    for operands in ("codes", "bf16"):
+        for rnd in ("sr", "rn"):
+            def fp4_attn(q, k, v, rnd=rnd):
+                return attn.attention(q, k, v, causal=True, fmt="nvfp4", ds_rounding=rnd)
+
+            def ctx(operands=operands):
+                os.environ["FP4_ATTENTION_OPERANDS"] = operands
+                return nullcontext()
+            variants[f"fp4 nvfp4 ({operands} operands, dS {rnd})"] = (ctx, fp4_attn)
+    return variants
+
+
+def section_attention(args):
+    import attention as attn
+    b, h, t, d = ATTN_SHAPE
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    do = torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    flops = 3.5 * 4 * b * h * t * t * d / 2  # forward 2 GEMMs (halved: causal), backward 2.5x that
+    rows, best_bf16 = [], None
+    for name, (ctx, fn) in _attention_variants(attn).items():
+        row = dict(shape=f"{b}x{h}x{t}x{d} causal", attention=name)
+        try:
+            with ctx():
+                fwd = lambda: fn(q, k, v)  # noqa: E731
+                step = lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do)  # noqa: E731
+                step()
+                row.update(fwd_ms=round(bench(fwd), 3), fwd_bwd_ms=round(bench(step), 3),
+                           saved_mib=round(_saved_tensor_bytes(fwd) / 2**20, 1))
+        except Exception as err:  # a backend this torch/GPU lacks: say so, keep the others
+            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+        finally:
+            os.environ.pop("FP4_ATTENTION_OPERANDS", None)
+        if "fwd_bwd_ms" in row:
+            row["tflops_fwd_bwd"] = round(flops / row["fwd_bwd_ms"] * 1e-9, 1)
+            if name.startswith("sdpa"):
+                best_bf16 = min(best_bf16 or row["fwd_bwd_ms"], row["fwd_bwd_ms"])
+        rows.append(row)
+    for row in rows:
+        if "fwd_bwd_ms" in row and best_bf16:
+            row["vs_fastest_bf16"] = round(best_bf16 / row["fwd_bwd_ms"], 3)
+    rows += _fp4_attention_parts(attn, q.detach(), k.detach(), v.detach(), do)
+    print_table(rows, ["shape", "attention", "fwd_ms", "fwd_bwd_ms", "tflops_fwd_bwd", "vs_fastest_bf16",
+                       "saved_mib", "part_ms", "error"])
+    return rows
+
+
+def _fp4_attention_parts(attn, q, k, v, do):
+    """Where FP4 attention's time goes (codes operands, dS sr): each stage timed alone."""
+    b, h, t, d = q.shape
+    sc = d ** -0.5
+    qq, kq, vq = (attn.quantize_qkv(x) for x in (q, k, v))
+    o, lse = attn.triton_forward(qq, kq, vq, True, sc, torch.bfloat16)
+    seed = torch.tensor([1], dtype=torch.int32, device="cuda")
+    parts = {
+        "quantize Q, K, V (kernels.cu)": lambda: [attn.quantize_qkv(x) for x in (q, k, v)],
+        "forward kernel (Triton)": lambda: attn.triton_forward(qq, kq, vq, True, sc, torch.bfloat16),
+        "re-quantize Q, K along T (kernels.cu)": lambda: (attn.along_tokens(qq), attn.along_tokens(kq)),
+        "backward: re-quantize + delta + dQ + dK/dV kernels": lambda: attn.triton_backward(
+            do, o, lse, qq, kq, vq, True, sc, seed, "sr"),
+    }
+    return [dict(shape=f"{b}x{h}x{t}x{d} causal", attention=f"fp4 part: {name}", part_ms=round(bench(fn), 3))
+            for name, fn in parts.items()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,7 +569,8 @@ def section_overhead(args):
     return rows
 
 
-SECTIONS = {"overhead": section_overhead, "profile": section_profile, "kernels": section_kernels, "accum": section_accum, "linear": section_linear, "step": section_step}
+SECTIONS = {"overhead": section_overhead, "profile": section_profile, "kernels": section_kernels, "accum": section_accum, "linear": section_linear, "step": section_step,
+            "attention": section_attention}
 
 
 def compare_runs(paths, out_png):

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
-from model import GPT, GPTConfig, RECIPES, SIZES, apply_recipe, config_for
+from model import ATTENTIONS, GPT, GPTConfig, RECIPES, SIZES, apply_recipe, config_for
 
 # -----------------------------------------------------------------------------
 # config: every global here can be overridden by config/*.py and --key=value
@@ -46,6 +46,7 @@ data_dir = ''             # set to read the .bin files from elsewhere
 # model
 n_kv_head = 0             # 0: as many kv heads as query heads; fewer: GQA
 recipe = 'quartet'        # one of model.RECIPES
+attention = 'bf16'        # one of model.ATTENTIONS: 'nvfp4' is FP4 attention (attention.py), any recipe
 # AdamW and the lr schedule (Quartet's: betas (0.9, 0.95), wd 0.1, clip 1, cosine, 10% warmup)
 weight_decay = 0.1
 beta1 = 0.9
@@ -96,6 +97,8 @@ _log_path = None  # out_dir/train.log on the master rank, set in main()
 def check_config():
     if recipe not in RECIPES:
         raise configurator.ConfigError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+    if attention not in ATTENTIONS:
+        raise configurator.ConfigError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
     if model_size not in SIZES:
         raise configurator.ConfigError(f"unknown model_size {model_size!r}; "
                                        f"choose one of {', '.join(SIZES)}")
@@ -310,7 +313,7 @@ def init_run(rank, data_meta):
     else:
         vocab = 128 * math.ceil(data_meta['vocab_size'] / 128)  # pad: GEMM-friendly
         model_args = asdict(config_for(model_size, vocab_size=vocab, block_size=block_size,
-                                       n_kv_head=n_kv_head))
+                                       n_kv_head=n_kv_head, attention=attention))
     model = build_model(model_args)
     if ckpt:
         model.load_state_dict(ckpt['model'])
