@@ -17,8 +17,8 @@ these FP4 tensors, O and the log-sum-exp are saved for the backward. Write q^ = 
   backward  delta = rowsum(dO O),  P = exp(S - lse)    S recomputed from the same q^, k^
             dV = bf16(P)^T bf16(dO)                    BF16 (summed over the heads of a GQA group)
             dP = (bf16(dO) v^T) gv,  dS = P (dP - delta)
-            dQ = scale gkt sum_tiles G (Qk(dS) kt^)    NVFP4 x NVFP4, contraction over keys
-            dK = scale gqt sum_tiles G (Qq(dS)^T qt^)  NVFP4 x NVFP4, contraction over queries
+            dQ = scale gkt (Qk(dS) kt^)                NVFP4 x NVFP4, contraction over keys
+            dK = scale gqt (Qq(dS)^T qt^)              NVFP4 x NVFP4, contraction over queries
 
 Kt and Qt are K and Q re-quantized along the tokens: dequantize (exactly, in FP32), quantize in
 16-blocks of tokens (the last block zero-padded), absmax, RN, a new tensor scale (fp4.requantize),
@@ -26,15 +26,18 @@ so both operands of each dS product are NVFP4 along its contraction dim, as a na
 kt^, gkt: their code * block scale and tensor scale. These two are made in the backward, not saved.
 
 Qk(dS) and Qq(dS): dS quantized to NVFP4 in 16-blocks along keys (for dQ) or queries (for dK), with
-the FP32 tensor scale replaced by one scale G per 64x64 tile of the (query, key) score matrix (a
-global amax of dS would need a whole extra pass over the scores; a tile's G is applied to the tile's
-FP32 partial product, like FlashAttention's rescaling, so the kernels can use it):
-  G = amax(|dS| in the tile) / (6 * 448), 1 for an all-zero tile, NaN if the tile holds a NaN or Inf
+the FP32 tensor scale replaced by one scale G per 64x64 tile of the (query, key) score matrix: a
+global amax of dS would need a whole extra pass over the scores, and a tile's own scale is finer.
+G is a power of two, so that code * s_b * G is still exact in BF16 and each tile's values go into
+the FP32-accumulating GEMM as they are (a general FP32 G would multiply every tile's partial product
+separately; measured: 64 more registers a thread in the kernels):
+  G = the smallest power of two >= amax(|dS| in the tile) / (6 * 448); 1 for an all-zero tile;
+      NaN if the tile holds a NaN or Inf
   s_b = e4m3_rn(min(amax_b / 6 / G, 448)) per 16-block,  r_b = 1 / (s_b G) (0 if s_b G == 0)
   v = dS r_b,  a = min(|v|, 6),  step = 0.5 (a < 2), 1 (a < 4), 2: the E2M1 grid spacing at a
   'sr' (default): |code| = min(floor((floor(a 256 / step) + byte) / 256) step, 6)   (SPEC 4's rule)
   'rn':           |code| = rint(a / step) step, ties to even (the E2M1 code ties of SPEC 1)
-  value = sign(v) |code| s_b (exact in BF16), and the tile's product is multiplied by G.
+  value = sign(v) |code| s_b G, exact in BF16.
 dS is a gradient: stochastic rounding, as the nvfp4 recipe does for its gradients (SPEC 5), keeps
 dQ and dK unbiased. The random byte of element n of a layout (n = row * Tp + col, Tp = T rounded up
 to 64; rows are queries for Qk and keys for Qq) is byte n mod 4 of lowbias32((n div 4) ^ key),
@@ -232,31 +235,26 @@ def _probs_and_ds(do, o, lse, qq, kq, vq, causal, scale, group):
 
 
 def _fp4_tile_product(x, other, seed, which, rounding):
-    """sum over the 64-column tiles j of G_ij (Q(x)[:, tile j] @ other[tile j]) for x (B, H, T, T)
-    quantized along its last dim (module docstring) and other (B, H, T16, D) FP32; (B, H, T, D)."""
+    """Q(x) @ other for x (B, H, T, T) quantized along its last dim (module docstring) and other
+    (B, H, T16, D) FP32: (B, H, T, D)."""
     b, h, t, _ = x.shape
     tp = -(-t // TILE) * TILE
     xp = F.pad(x, (0, tp - t, 0, tp - t))  # zero padding: the kernels' masked loads
     keys = torch.tensor([fp4.hash_key(seed, 2 * i + which) for i in range(b * h)], device=x.device).view(b, h, 1, 1)
-    vals, g = quantize_ds(xp, keys, rounding)  # (B, H, Tp, Tp), (B, H, Tp/64, Tp/64)
-    op = F.pad(other, (0, 0, 0, tp - other.shape[2]))  # (B, H, Tp, D)
-    out = torch.zeros(b, h, tp, other.shape[-1], dtype=torch.float32, device=x.device)
-    for j in range(tp // TILE):  # tile by tile, in the kernels' order
-        cols = slice(j * TILE, (j + 1) * TILE)
-        out += (vals[..., cols] @ op[:, :, cols]) * g[..., j].repeat_interleave(TILE, -1).unsqueeze(-1)
-    return out[:, :, :t]
+    vals = quantize_ds(xp, keys, rounding)[0]  # (B, H, Tp, Tp)
+    return (vals @ F.pad(other, (0, 0, 0, tp - other.shape[2])))[:, :, :t]
 
 
 def quantize_ds(x, keys, rounding):
     """dS (B, H, Tp, Tp), Tp % 64 == 0, quantized along its last dim in 16-blocks with one scale G
-    per 64x64 tile (module docstring). keys (B, H, 1, 1) int64 (None for 'rn'). Returns the
-    values sign * |code| * s_b (FP32, exact in BF16) and G (B, H, Tp/64, Tp/64)."""
+    per 64x64 tile (module docstring). keys (B, H, 1, 1) int64 (None for 'rn'). Returns the values
+    sign * |code| * s_b * G (FP32, exact in BF16) and G (B, H, Tp/64, Tp/64)."""
     b, h, r, c = x.shape
     tiles = x.view(b, h, r // TILE, TILE, c // TILE, TILE)
     finite = torch.isfinite(tiles).all(5).all(3)
     amax = tiles.abs().amax(5).amax(3)
-    g = torch.where(amax > 0, amax / torch.full_like(amax, 6 * E4M3_MAX), torch.ones_like(amax))
-    g = torch.where(finite, g, float("nan"))
+    g = _pow2_ceil(amax / torch.full_like(amax, 6 * E4M3_MAX))
+    g = torch.where(finite, torch.where(amax > 0, g, torch.ones_like(g)), float("nan"))
     xb = x.view(b, h, r, c // 16, 16)
     gb = g.repeat_interleave(TILE, 2).repeat_interleave(TILE // 16, 3)  # (B, H, Tp, Tp/16)
     amax_b = xb.abs().amax(-1)
@@ -266,7 +264,15 @@ def quantize_ds(x, keys, rounding):
     v = xb * rcp.unsqueeze(-1)
     rand = None if rounding == "rn" else _random_bytes(keys, r, c).view_as(v)
     mag = e2m1_round(v.abs(), rand)
-    return (torch.where(v < 0, -mag, mag) * s.unsqueeze(-1)).view(b, h, r, c), g
+    return (torch.where(v < 0, -mag, mag) * sg.unsqueeze(-1)).view(b, h, r, c), g
+
+
+def _pow2_ceil(x):
+    """The smallest power of two >= x for FP32 x > 0 (normal): x itself if its mantissa is zero,
+    else the next exponent, on the bits (kernels do the same)."""
+    bits = x.view(torch.int32)
+    up = torch.where((bits & 0x7FFFFF) == 0, bits, (bits & 0x7F800000) + 0x800000)
+    return up.view(torch.float32)
 
 
 def e2m1_round(a, rand=None):
@@ -431,33 +437,43 @@ def _e2m1(c):
 
 
 @_jit
+def _tile_mask(t, d, T, D: tl.constexpr):
+    """In-range rows t < T (and columns d < D when the head dim was padded to a power of two)."""
+    if d.shape[0] == D:
+        m = (t < T)[:, None]
+    else:
+        m = (t < T)[:, None] & (d < D)[None, :]
+    return m
+
+
+@_jit
 def _rows_tile(codes, scales, vals, row0, t, d, T, D: tl.constexpr, CODES: tl.constexpr):
     """(len t, len d) BF16 tile, code * block scale, of rows row0 + t of a (rows, D) tensor quantized
     along D (Q, K, V). CODES: decode packed codes and E4M3 scales in registers; else read the BF16
-    copy `vals` holding the same numbers."""
-    mask = (t < T)[:, None] & (d < D)[None, :]
-    row = (row0 + t).to(tl.int64)[:, None]
+    copy `vals` holding the same numbers. 64-bit scalar bases, 32-bit tile offsets."""
+    mask = _tile_mask(t, d, T, D)
+    base = row0.to(tl.int64)
     if CODES:
-        byte = tl.load(codes + row * (D // 2) + (d // 2)[None, :], mask=mask, other=0).to(tl.int32)
-        c = (byte >> ((d & 1) * 4)[None, :]) & 15
-        s = tl.load(scales + row * (D // 16) + (d // 16)[None, :], mask=mask, other=0)
+        byte = tl.load(codes + base * (D // 2) + (t[:, None] * (D // 2) + (d // 2)[None, :]), mask=mask, other=0)
+        c = (byte.to(tl.int32) >> ((d & 1) * 4)[None, :]) & 15
+        s = tl.load(scales + base * (D // 16) + (t[:, None] * (D // 16) + (d // 16)[None, :]), mask=mask, other=0)
         return (_e2m1(c) * s.to(tl.float8e4nv, bitcast=True).to(tl.float32)).to(tl.bfloat16)
-    return tl.load(vals + row * D + d[None, :], mask=mask, other=0.0)
+    return tl.load(vals + base * D + (t[:, None] * D + d[None, :]), mask=mask, other=0.0).to(tl.bfloat16)
 
 
 @_jit
 def _tokens_tile(codes, scales, vals, row0, t, d, T, ROWS, D: tl.constexpr, CODES: tl.constexpr):
     """(len t, len d) BF16 tile of rows row0 + t of along_tokens' (ROWS, D) matrix, quantized along
-    its rows: codes (D, ROWS/2), scales (D, ROWS/16); `vals` the (D, ROWS) BF16 copy."""
-    mask = (t < T)[:, None] & (d < D)[None, :]
-    row = (row0 + t).to(tl.int64)[:, None]
-    col = d.to(tl.int64)[None, :]
+    its rows: codes (D, ROWS/2), scales (D, ROWS/16); `vals` the (D, ROWS) BF16 copy. row0 is a
+    multiple of 16 (a head starts at b H T16)."""
+    mask = _tile_mask(t, d, T, D)
+    base = row0.to(tl.int64)
     if CODES:
-        byte = tl.load(codes + col * (ROWS // 2) + row // 2, mask=mask, other=0).to(tl.int32)
-        c = (byte >> ((t & 1) * 4)[:, None]) & 15
-        s = tl.load(scales + col * (ROWS // 16) + row // 16, mask=mask, other=0)
+        byte = tl.load(codes + base // 2 + ((t // 2)[:, None] + (d * (ROWS // 2))[None, :]), mask=mask, other=0)
+        c = (byte.to(tl.int32) >> ((t & 1) * 4)[:, None]) & 15
+        s = tl.load(scales + base // 16 + ((t // 16)[:, None] + (d * (ROWS // 16))[None, :]), mask=mask, other=0)
         return (_e2m1(c) * s.to(tl.float8e4nv, bitcast=True).to(tl.float32)).to(tl.bfloat16)
-    return tl.load(vals + col * ROWS + row, mask=mask, other=0.0)
+    return tl.load(vals + base + (t[:, None] + (d * ROWS)[None, :]), mask=mask, other=0.0).to(tl.bfloat16)
 
 
 @_jit
@@ -494,7 +510,7 @@ def _fwd_kernel(Qc, Qs, Qv, Kc, Ks, Kv, Vc, Vs, Vv, O, LSE, CST, T, H, GROUP,
         m_i = m_new
     o = (acc / l_i[:, None]) * gv
     mask = (m_idx < T)[:, None] & (d < D)[None, :]
-    _store(O + (bh * T + m_idx).to(tl.int64)[:, None] * D + d[None, :], o, mask, INTERP)
+    _store(O + (bh * T).to(tl.int64) * D + (m_idx[:, None] * D + d[None, :]), o, mask, INTERP)
     tl.store(LSE + bh * T + m_idx, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=m_idx < T)
 
 
@@ -512,13 +528,15 @@ def _delta_kernel(DO, O, DELTA, N, D: tl.constexpr, BD: tl.constexpr, BR: tl.con
 
 @_jit
 def _quant_ds(x, n, key, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr):
-    """One 64x64 dS tile x (R, C) FP32 quantized along C in 16-blocks (module docstring):
-    (sign |code| s_b as BF16, the tile's scale G). n (R, C) uint32: the elements' layout indices."""
+    """One 64x64 dS tile x (R, C) FP32 quantized along C in 16-blocks (module docstring): sign |code|
+    s_b G, exact in BF16. n (R, C) uint32: the elements' layout indices (for the random bytes)."""
     xb = tl.reshape(x, (R, C // 16, 16))
     amax_b = tl.max(tl.abs(xb), 2)  # (R, C/16)
     amax = tl.max(tl.max(amax_b, 1), 0)
     bad = tl.sum(tl.sum(x, 1), 0) * 0.0  # NaN iff the tile holds a NaN or Inf
-    g = tl.where(amax > 0, tl.math.div_rn(amax, 6 * 448.0), 1.0) + bad
+    gb = tl.math.div_rn(amax, 6 * 448.0).to(tl.uint32, bitcast=True)
+    gb = tl.where((gb & 0x7FFFFF) == 0, gb, (gb & 0x7F800000) + 0x800000)  # _pow2_ceil
+    g = tl.where(amax > 0, gb.to(tl.float32, bitcast=True), 1.0) + bad
     s = _e4m3_rn(tl.minimum(tl.math.div_rn(tl.math.div_rn(amax_b, 6.0), g), 448.0))
     sg = s * g
     rcp = tl.where(sg > 0, tl.math.div_rn(1.0, sg), 0.0)
@@ -532,8 +550,8 @@ def _quant_ds(x, n, key, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr):
         mag = tl.minimum(tl.floor((m + rb) * (1.0 / 256.0)) * step, 6.0)
     else:  # x + 2^23 - 2^23 rounds to an integer, ties to even (0 <= x < 2^22)
         mag = ((a / step + 8388608.0) - 8388608.0) * step
-    val = tl.where(v < 0, -mag, mag) * s[:, :, None]
-    return tl.reshape(val, (R, C)).to(tl.bfloat16), g
+    val = tl.where(v < 0, -mag, mag) * sg[:, :, None]
+    return tl.reshape(val, (R, C)).to(tl.bfloat16)
 
 
 @_jit
@@ -569,7 +587,7 @@ def _bwd_dq_kernel(Qc, Qs, Qv, Kc, Ks, Kv, Vc, Vs, Vv, Ktc, Kts, Ktv, DO, LSE, D
                    T, T16, TP, H, GROUP, ROWS,
                    D: tl.constexpr, BD: tl.constexpr, CAUSAL: tl.constexpr, SR: tl.constexpr,
                    CODES: tl.constexpr, INTERP: tl.constexpr):
-    """dQ for 64 queries of one head: loop over 64-key tiles, dQ += G (Qk(dS) kt^)."""
+    """dQ for 64 queries of one head: loop over 64-key tiles, dQ += Qk(dS) kt^."""
     BM: tl.constexpr = 64
     BN: tl.constexpr = 64
     pid_m, bh = tl.program_id(0), tl.program_id(1)
@@ -577,9 +595,10 @@ def _bwd_dq_kernel(Qc, Qs, Qv, Kc, Ks, Kv, Vc, Vs, Vv, Ktc, Kts, Ktv, DO, LSE, D
     m_idx = pid_m * BM + tl.arange(0, BM)
     d = tl.arange(0, BD)
     mask = (m_idx < T)[:, None] & (d < D)[None, :]
-    off = (bh * T + m_idx).to(tl.int64)[:, None] * D + d[None, :]
+    base = (bh * T).to(tl.int64) * D
+    off = m_idx[:, None] * D + d[None, :]
     q = _rows_tile(Qc, Qs, Qv, bh * T, m_idx, d, T, D, CODES)
-    do = _rn_bf16(tl.load(DO + off, mask=mask, other=0.0).to(tl.float32), INTERP)
+    do = _rn_bf16(tl.load(DO + base + off, mask=mask, other=0.0).to(tl.float32), INTERP)
     lse2 = tl.load(LSE + bh * T + m_idx, mask=m_idx < T, other=float("inf")) * 1.4426950408889634
     delta = tl.load(DELTA + bh * T + m_idx, mask=m_idx < T, other=0.0)
     c2, gv, sgkt = tl.load(CST + 1), tl.load(CST + 2), tl.load(CST + 4)
@@ -597,9 +616,8 @@ def _bwd_dq_kernel(Qc, Qs, Qv, Kc, Ks, Kv, Vc, Vs, Vv, Ktc, Kts, Ktv, DO, LSE, D
         dp = _dot(do, tl.trans(v), INTERP) * gv
         ds = p * (dp - delta[:, None])
         n = m_idx.to(tl.uint32)[:, None] * TP + n_idx.to(tl.uint32)[None, :]
-        dsq, g = _quant_ds(ds, n, key, BM, BN, SR)
-        dq += _dot(dsq, kt, INTERP) * g
-    _store(DQ + off, dq * sgkt, mask, INTERP)
+        dq += _dot(_quant_ds(ds, n, key, BM, BN, SR), kt, INTERP)
+    _store(DQ + base + off, dq * sgkt, mask, INTERP)
 
 
 @_jit
@@ -608,7 +626,7 @@ def _bwd_dkdv_kernel(Qc, Qs, Qv, Qtc, Qts, Qtv, Kc, Ks, Kv, Vc, Vs, Vv, DO, LSE,
                      D: tl.constexpr, BD: tl.constexpr, CAUSAL: tl.constexpr, SR: tl.constexpr,
                      CODES: tl.constexpr, INTERP: tl.constexpr):
     """dK, dV for 64 keys of one kv head: loop over the group's q heads and 64-query tiles,
-    dV += bf16(P)^T dO, dK += G (Qq(dS)^T qt^)."""
+    dV += bf16(P)^T dO, dK += Qq(dS)^T qt^."""
     BM: tl.constexpr = 64
     BN: tl.constexpr = 64
     pid_n, bkv = tl.program_id(0), tl.program_id(1)
@@ -632,7 +650,7 @@ def _bwd_dkdv_kernel(Qc, Qs, Qv, Qtc, Qts, Qtv, Kc, Ks, Kv, Vc, Vs, Vv, DO, LSE,
             mask = (m_idx < T)[:, None] & (d < D)[None, :]
             q = _rows_tile(Qc, Qs, Qv, bh * T, m_idx, d, T, D, CODES)
             qt = _tokens_tile(Qtc, Qts, Qtv, bh * T16, m_idx, d, T, ROWS, D, CODES)
-            do = tl.load(DO + (bh * T + m_idx).to(tl.int64)[:, None] * D + d[None, :], mask=mask, other=0.0)
+            do = tl.load(DO + (bh * T).to(tl.int64) * D + (m_idx[:, None] * D + d[None, :]), mask=mask, other=0.0)
             do = _rn_bf16(do.to(tl.float32), INTERP)
             lse2 = tl.load(LSE + bh * T + m_idx, mask=m_idx < T, other=float("inf")) * 1.4426950408889634
             delta = tl.load(DELTA + bh * T + m_idx, mask=m_idx < T, other=0.0)
@@ -641,10 +659,9 @@ def _bwd_dkdv_kernel(Qc, Qs, Qv, Qtc, Qts, Qtv, Kc, Ks, Kv, Vc, Vs, Vv, DO, LSE,
             dp = _dot(do, tl.trans(v), INTERP) * gv
             ds_t = tl.trans(p * (dp - delta[:, None]))  # (BN keys, BM queries)
             n = n_idx.to(tl.uint32)[:, None] * TP + m_idx.to(tl.uint32)[None, :]
-            dsq, g = _quant_ds(ds_t, n, key, BN, BM, SR)
-            dk += _dot(dsq, qt, INTERP) * g
+            dk += _dot(_quant_ds(ds_t, n, key, BN, BM, SR), qt, INTERP)
     mask = (n_idx < T)[:, None] & (d < D)[None, :]
-    off = (bkv * T + n_idx).to(tl.int64)[:, None] * D + d[None, :]
+    off = (bkv * T).to(tl.int64) * D + (n_idx[:, None] * D + d[None, :])
     _store(DK + off, dk * sgqt, mask, INTERP)
     _store(DV + off, dv, mask, INTERP)
 
@@ -691,7 +708,7 @@ def triton_forward(qq, kq, vq, causal, scale, dtype, bm=128, bn=64, num_warps=8,
     return o, lse
 
 
-def triton_backward(do, o, lse, qq, kq, vq, causal, scale, seed, ds_rounding, num_warps=4, num_stages=2):
+def triton_backward(do, o, lse, qq, kq, vq, causal, scale, seed, ds_rounding, num_warps=8, num_stages=2):
     """dQ, dK, dV in O's dtype (Triton); seed: an int32 tensor (1,) on the device."""
     b, h, t, d, group, bd = _launch_shape(qq, kq)
     if t > 65536:

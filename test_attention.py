@@ -135,13 +135,18 @@ def test_sr_dq_is_unbiased():
 
 
 def test_ds_quantizer_is_nvfp4_with_a_tile_scale():
-    """On one 64x64 tile, G is NVFP4's tensor scale and quantize_ds(RN) is fp4.quantize's NVFP4
-    (absmax, RN) along the rows, value for value (up to the reciprocal: exact here)."""
-    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(3)) * 1e-4
+    """On one 64x64 tile whose amax / (6 * 448) is a power of two, G is NVFP4's tensor scale and
+    quantize_ds(RN) is fp4.quantize's NVFP4 (absmax, RN) along the rows, value for value. Otherwise
+    G is the next power of two up (the block scales then use E4M3's range up to 224..448)."""
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(3)).clamp(-3, 3) * 2.0**-20
+    x[5, 7] = 6 * 448 * 2.0**-20
     vals, g = A.quantize_ds(x.view(1, 1, 64, 64), None, "rn")
     ref = fp4.quantize(x, "nvfp4")
-    assert g.item() == ref.tensor_scale.item()
-    assert torch.equal(vals[0, 0] * g[0, 0], fp4.dequantize(ref))
+    assert g.item() == ref.tensor_scale.item() == 2.0**-20
+    assert torch.equal(vals[0, 0], fp4.dequantize(ref))
+    x[5, 7] = 5000 * 2.0**-20
+    g = A.quantize_ds(x.view(1, 1, 64, 64), None, "rn")[1]
+    assert g.item() == 2.0**-19  # 5000 / 2688 = 1.86: the next power of two
 
 
 def test_e2m1_rounding_rules():
