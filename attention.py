@@ -187,12 +187,18 @@ def _group_sum(x, group):
     return x.unflatten(1, (-1, group)).sum(2) if group > 1 else x
 
 
-def reference_forward(qq, kq, vq, causal, scale):
-    """O (B, H, T, D) FP32 and lse (B, H, T) FP32 from the NVFP4 Q, K, V (module docstring)."""
+def _exact_operands(qq, kq, vq, scale):
+    """q^, k^, v^ in FP32 (kv heads repeated for GQA), c = scale gq gk and gv."""
     group = qq.shape[1] // kq.shape[1]
     q1 = _unit(qq).float()
     k1, v1 = (_heads(_unit(t).float(), group) for t in (kq, vq))
     c, _, gv, _, _ = _constants(scale, qq.tensor_scale, kq.tensor_scale, vq.tensor_scale)
+    return q1, k1, v1, c, gv
+
+
+def reference_forward(qq, kq, vq, causal, scale):
+    """O (B, H, T, D) FP32 and lse (B, H, T) FP32 from the NVFP4 Q, K, V (module docstring)."""
+    q1, k1, v1, c, gv = _exact_operands(qq, kq, vq, scale)
     s = _scores(q1, k1, c, causal)
     m = s.amax(-1, keepdim=True)
     e = torch.exp(s - m)
@@ -205,7 +211,7 @@ def reference_backward(do, o, lse, qq, kq, vq, causal, scale, seed, ds_rounding=
     """dQ, dK, dV (FP32) given dO and the saved O, lse and NVFP4 Q, K, V (module docstring).
     quantize_ds=False (for tests) multiplies the FP32 dS by the dequantized K and Q instead."""
     group = qq.shape[1] // kq.shape[1]
-    p, ds, dv = _probs_and_ds(do, o, lse, qq, kq, vq, causal, scale, group)
+    _, ds, dv = _probs_and_ds(do, o, lse, qq, kq, vq, causal, scale)
     dv = _group_sum(dv, group)
     if not quantize_ds:
         kf, qf = _heads(fp4.dequantize(kq), group), fp4.dequantize(qq)
@@ -216,16 +222,14 @@ def reference_backward(do, o, lse, qq, kq, vq, causal, scale, seed, ds_rounding=
     qt1 = _unit_tokens(qt, b * h, t16).float().view(b, h, t16, d)
     kt1 = _heads(_unit_tokens(kt, b * kq.shape[1], t16).float().view(b, -1, t16, d), group)
     cst = _constants(scale, qq.tensor_scale, kq.tensor_scale, vq.tensor_scale, qt.tensor_scale, kt.tensor_scale)
-    dq = _fp4_tile_product(ds, kt1, seed, 0, ds_rounding) * cst[4]
-    dk = _fp4_tile_product(ds.transpose(-1, -2), qt1, seed, 1, ds_rounding) * cst[3]
+    dq = _ds_product(ds, kt1, seed, 0, ds_rounding) * cst[4]
+    dk = _ds_product(ds.transpose(-1, -2), qt1, seed, 1, ds_rounding) * cst[3]
     return dq, _group_sum(dk, group), dv
 
 
-def _probs_and_ds(do, o, lse, qq, kq, vq, causal, scale, group):
+def _probs_and_ds(do, o, lse, qq, kq, vq, causal, scale):
     """P = exp(S - lse), dS = P (dP - delta) (B, H, T, T) FP32, and dV per q head (the BF16 part)."""
-    q1 = _unit(qq).float()
-    k1, v1 = (_heads(_unit(t).float(), group) for t in (kq, vq))
-    c, _, gv, _, _ = _constants(scale, qq.tensor_scale, kq.tensor_scale, vq.tensor_scale)
+    q1, k1, v1, c, gv = _exact_operands(qq, kq, vq, scale)
     p = torch.exp(_scores(q1, k1, c, causal) - lse.unsqueeze(-1))
     dob = _bf16(do.float())
     delta = (do.float() * o.float()).sum(-1, keepdim=True)
@@ -234,7 +238,7 @@ def _probs_and_ds(do, o, lse, qq, kq, vq, causal, scale, group):
     return p, p * (dp - delta), dv
 
 
-def _fp4_tile_product(x, other, seed, which, rounding):
+def _ds_product(x, other, seed, which, rounding):
     """Q(x) @ other for x (B, H, T, T) quantized along its last dim (module docstring) and other
     (B, H, T16, D) FP32: (B, H, T, D)."""
     b, h, t, _ = x.shape
@@ -477,12 +481,27 @@ def _tokens_tile(codes, scales, vals, row0, t, d, T, ROWS, D: tl.constexpr, CODE
 
 
 @_jit
+def _kv_head(bh, H, GROUP):
+    """The kv head (b Hkv + h / GROUP) that q head bh = b H + h attends with (GQA)."""
+    return (bh // H) * (H // GROUP) + (bh % H) // GROUP
+
+
+@_jit
+def _keys_end(pid_m, BM: tl.constexpr, T, CAUSAL: tl.constexpr):
+    """End of the key loop of query block pid_m: the diagonal when causal (tiles past T masked)."""
+    end = T
+    if CAUSAL:
+        end = (pid_m + 1) * BM
+    return end
+
+
+@_jit
 def _fwd_kernel(Qc, Qs, Qv, Kc, Ks, Kv, Vc, Vs, Vv, O, LSE, CST, T, H, GROUP,
                 BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                 CAUSAL: tl.constexpr, CODES: tl.constexpr, INTERP: tl.constexpr):
     """One (BM queries, head) block of O and lse: online softmax over BN-key tiles (FA-2)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
-    bkv = (bh // H) * (H // GROUP) + (bh % H) // GROUP
+    bkv = _kv_head(bh, H, GROUP)
     m_idx = pid_m * BM + tl.arange(0, BM)
     d = tl.arange(0, BD)
     q = _rows_tile(Qc, Qs, Qv, bh * T, m_idx, d, T, D, CODES)
@@ -490,10 +509,7 @@ def _fwd_kernel(Qc, Qs, Qv, Kc, Ks, Kv, Vc, Vs, Vv, O, LSE, CST, T, H, GROUP,
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, BD), tl.float32)
-    hi = T
-    if CAUSAL:  # keys up to the diagonal; tiles past T are masked
-        hi = (pid_m + 1) * BM
-    for n0 in range(0, hi, BN):
+    for n0 in range(0, _keys_end(pid_m, BM, T, CAUSAL), BN):
         n_idx = n0 + tl.arange(0, BN)
         k = _rows_tile(Kc, Ks, Kv, bkv * T, n_idx, d, T, D, CODES)
         v = _rows_tile(Vc, Vs, Vv, bkv * T, n_idx, d, T, D, CODES)
@@ -591,7 +607,7 @@ def _bwd_dq_kernel(Qc, Qs, Qv, Kc, Ks, Kv, Vc, Vs, Vv, Ktc, Kts, Ktv, DO, LSE, D
     BM: tl.constexpr = 64
     BN: tl.constexpr = 64
     pid_m, bh = tl.program_id(0), tl.program_id(1)
-    bkv = (bh // H) * (H // GROUP) + (bh % H) // GROUP
+    bkv = _kv_head(bh, H, GROUP)
     m_idx = pid_m * BM + tl.arange(0, BM)
     d = tl.arange(0, BD)
     mask = _tile_mask(m_idx, d, T, D)
@@ -604,10 +620,7 @@ def _bwd_dq_kernel(Qc, Qs, Qv, Kc, Ks, Kv, Vc, Vs, Vv, Ktc, Kts, Ktv, DO, LSE, D
     c2, gv, sgkt = tl.load(CST + 1), tl.load(CST + 2), tl.load(CST + 4)
     key = _hash_key(tl.load(SEED).to(tl.uint32), (2 * bh).to(tl.uint32))
     dq = tl.zeros((BM, BD), tl.float32)
-    hi = T
-    if CAUSAL:  # keys up to the diagonal; tiles past T are masked
-        hi = (pid_m + 1) * BM
-    for n0 in range(0, hi, BN):
+    for n0 in range(0, _keys_end(pid_m, BM, T, CAUSAL), BN):
         n_idx = n0 + tl.arange(0, BN)
         k = _rows_tile(Kc, Ks, Kv, bkv * T, n_idx, d, T, D, CODES)
         v = _rows_tile(Vc, Vs, Vv, bkv * T, n_idx, d, T, D, CODES)
@@ -720,8 +733,9 @@ def triton_forward(qq, kq, vq, causal, scale, dtype, bm=128, bn=64, num_warps=8,
 def triton_backward(do, o, lse, qq, kq, vq, causal, scale, seed, ds_rounding, num_warps=8, num_stages=2):
     """dQ, dK, dV in O's dtype (Triton); seed: an int32 tensor (1,) on the device."""
     b, h, t, d, group, bd = _launch_shape(qq, kq)
-    if t > 65536:
-        raise ValueError(f"FP4 attention's backward indexes dS with 32 bits: T must be <= 65536, got {t}")
+    if t > 65536 or b * h * (t + 15) * d >= 2**31:
+        raise ValueError(f"FP4 attention's backward indexes with 32 bits: needs T <= 65536 and B*H*T*D < 2^31, "
+                         f"got {(b, h, t, d)}")
     codes = _codes_mode()
     qt, kt = along_tokens(qq), along_tokens(kq)
     t16, tp = qt.shape[0] // (b * h), triton.cdiv(t, TILE) * TILE

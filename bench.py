@@ -485,7 +485,7 @@ def section_attention(args):
 
 
 def _fp4_attention_parts(attn, q, k, v, do):
-    """Where FP4 attention's time goes (codes operands, dS sr): each stage timed alone."""
+    """Where FP4 attention's time goes (default operands, dS sr): each stage timed alone."""
     b, h, t, d = q.shape
     sc = d ** -0.5
     qq, kq, vq = (attn.quantize_qkv(x) for x in (q, k, v))
@@ -493,11 +493,14 @@ def _fp4_attention_parts(attn, q, k, v, do):
     seed = torch.tensor([1], dtype=torch.int32, device="cuda")
     parts = {
         "quantize Q, K, V (kernels.cu)": lambda: [attn.quantize_qkv(x) for x in (q, k, v)],
-        "forward kernel (Triton)": lambda: attn.triton_forward(qq, kq, vq, True, sc, torch.bfloat16),
+        "BF16 copies of Q, K, V (dequantize)": lambda: [attn._unit(x) for x in (qq, kq, vq)],
         "re-quantize Q, K along T (kernels.cu)": lambda: (attn.along_tokens(qq), attn.along_tokens(kq)),
-        "backward: re-quantize + delta + dQ + dK/dV kernels": lambda: attn.triton_backward(
-            do, o, lse, qq, kq, vq, True, sc, seed, "sr"),
     }
+    for warps, stages in ((8, 2), (4, 2), (8, 3)):  # launch settings to choose from (numbers unchanged)
+        parts[f"forward (copies + Triton), warps {warps} stages {stages}"] = lambda w=warps, st=stages: (
+            attn.triton_forward(qq, kq, vq, True, sc, torch.bfloat16, num_warps=w, num_stages=st))
+        parts[f"backward (all of it), warps {warps} stages {stages}"] = lambda w=warps, st=stages: (
+            attn.triton_backward(do, o, lse, qq, kq, vq, True, sc, seed, "sr", num_warps=w, num_stages=st))
     return [dict(shape=f"{b}x{h}x{t}x{d} causal", attention=f"fp4 part: {name}", part_ms=round(bench(fn), 3))
             for name, fn in parts.items()]
 
