@@ -306,13 +306,15 @@ def _use_kernels(device):
 
 
 def _fwd_impl(q, k, v, causal, scale):
-    """(O, lse, then codes, scales, tensor scale of Q, K and V): the saved tensors besides O."""
-    qq, kq, vq = quantize_qkv(q), quantize_qkv(k), quantize_qkv(v)
-    if _use_kernels(q.device):
-        o, lse = triton_forward(qq, kq, vq, causal, scale, q.dtype)
-    else:
-        o, lse = reference_forward(qq, kq, vq, causal, scale)
-        o = o.to(q.dtype)
+    """(O, lse, then codes, scales, tensor scale of Q, K and V): the saved tensors besides O.
+    Autocast reaches into custom ops' bodies: it is off here, the numerics are this module's."""
+    with torch.autocast(q.device.type, enabled=False):
+        qq, kq, vq = quantize_qkv(q), quantize_qkv(k), quantize_qkv(v)
+        if _use_kernels(q.device):
+            o, lse = triton_forward(qq, kq, vq, causal, scale, q.dtype)
+        else:
+            o, lse = reference_forward(qq, kq, vq, causal, scale)
+            o = o.to(q.dtype)
     return (o, lse) + tuple(t for qt in (qq, kq, vq) for t in (qt.codes, qt.scales, qt.tensor_scale))
 
 
@@ -345,11 +347,12 @@ def _bwd_impl(do, o, lse, qc, qs, qg, kc, ks, kg, vc, vs, vg, causal, scale, ds_
     GPU drawn there: no host sync; checkpoints hold the generators' states)."""
     qq, kq, vq = _qtensors(qc, qs, qg, kc, ks, kg, vc, vs, vg)
     do = do.contiguous()
-    if _use_kernels(do.device):
-        seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=do.device)
-        return triton_backward(do, o, lse, qq, kq, vq, causal, scale, seed, ds_rounding)
-    seed = int(torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=do.device).item())
-    grads = reference_backward(do, o, lse, qq, kq, vq, causal, scale, seed, ds_rounding)
+    with torch.autocast(do.device.type, enabled=False):
+        if _use_kernels(do.device):
+            seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=do.device)
+            return triton_backward(do, o, lse, qq, kq, vq, causal, scale, seed, ds_rounding)
+        seed = int(torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=do.device).item())
+        grads = reference_backward(do, o, lse, qq, kq, vq, causal, scale, seed, ds_rounding)
     return tuple(g.to(o.dtype) for g in grads)
 
 

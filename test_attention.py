@@ -182,6 +182,22 @@ def test_autograd_matches_reference_backward():
         assert torch.equal(x.grad, g.bfloat16())
 
 
+def test_autocast_does_not_change_the_numbers():
+    """Autocast would reach into the custom ops' bodies (their FP32 matmuls would run in BF16): it is
+    switched off there, so the result under autocast is the same, forward and backward."""
+    q, k, v = qkv()
+    outs = []
+    for enabled in (False, True):
+        xs = [t.clone().requires_grad_() for t in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            o = A.attention(*xs, fmt="nvfp4")
+        torch.manual_seed(5)
+        o.float().square().sum().backward()
+        outs.append([o] + [x.grad for x in xs])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 def saved_bytes(fn, *args):
     """Bytes of the distinct tensors autograd saves for the backward while fn(*args) runs."""
     seen = {}
