@@ -377,8 +377,10 @@ def _fp8_model(model):
 # The variants a Hopper user compares (SPEC 7): recipe names of model.RECIPES, "fp8-rowwise" (this
 # file's FP8 linear), and torchao's float8 training ("float8-tensorwise", "float8-rowwise"; skipped
 # with the reason where torchao is not installed). All convert the same block linears; lm_head,
-# embeddings, norms and attention stay BF16 everywhere.
-STEP_VARIANTS = ("bf16", "float8-tensorwise", "float8-rowwise", "quartet", "nvfp4", "quartet2", "fullstack")
+# embeddings and norms stay BF16 everywhere, attention too unless a variant ends in "+attn-nvfp4"
+# (attention.py's FP4 attention, SPEC 8.3).
+STEP_VARIANTS = ("bf16", "float8-tensorwise", "float8-rowwise", "quartet", "nvfp4", "quartet2", "fullstack",
+                 "bf16+attn-nvfp4", "quartet+attn-nvfp4")
 
 
 class SkipVariant(Exception):
@@ -399,14 +401,15 @@ def _step_model(args, variant):
     """The ~1B Llama for one step variant, on the GPU, with its optimizer (as train.py makes it)."""
     import model as llama
     torch.manual_seed(0)
-    cfg = llama.config_for(args.model, block_size=args.seq)
+    base, _, attn = variant.partition("+attn-")  # e.g. "quartet+attn-nvfp4": FP4 attention too
+    cfg = llama.config_for(args.model, block_size=args.seq, attention=attn or "bf16")
     net = llama.GPT(cfg).cuda()
-    if variant.startswith("float8-"):
-        net = _torchao_float8(net, variant.split("-", 1)[1])
-    elif variant == "fp8-rowwise":
+    if base.startswith("float8-"):
+        net = _torchao_float8(net, base.split("-", 1)[1])
+    elif base == "fp8-rowwise":
         net = _fp8_model(net)
     else:
-        net = llama.apply_recipe(net, variant)
+        net = llama.apply_recipe(net, base)
         fp4.refit_lora(net)  # fullstack: fit L as train.py does at step 0 (no-op for the others)
     return net, net.configure_optimizers(0.1, 1e-4, (0.9, 0.95)), cfg
 
@@ -467,6 +470,102 @@ def section_step(args):
         print_table([r for r in rows if r["mode"] == mode and "ms" in r],
                     ["model", "variant", "mode", "ms", "tokens_per_s", "vs_bf16", "peak_gib", "mem_vs_bf16", "first_step_s"])
     return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# attention: FP4 attention (attention.py) forward + backward against SDPA's BF16 backends, one run
+
+ATTN_SHAPE = (8, 16, 2048, 128)  # B, H, T, D: the 1b model's attention, causal
+
+
+def _saved_tensor_bytes(fn):
+    """Bytes of the distinct tensors autograd saves for the backward while fn() runs."""
+    seen = {}
+
+    def pack(t):
+        seen[(t.data_ptr(), t.dtype, tuple(t.shape))] = t.numel() * t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return sum(seen.values())
+
+
+def _attention_variants(attn):
+    """name -> (context manager factory, attention function of q, k, v)."""
+    from contextlib import nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    sdpa = lambda q, k, v: attn.attention(q, k, v, causal=True)  # noqa: E731
+    variants = {f"sdpa {name} (bf16)": (lambda b=backend: sdpa_kernel(b), sdpa) for name, backend in
+                (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                 ("efficient", SDPBackend.EFFICIENT_ATTENTION))}
+    for operands in ("codes", "bf16"):
+        for rnd in ("sr", "rn"):
+            def fp4_attn(q, k, v, rnd=rnd):
+                return attn.attention(q, k, v, causal=True, fmt="nvfp4", ds_rounding=rnd)
+
+            def ctx(operands=operands):
+                os.environ["FP4_ATTENTION_OPERANDS"] = operands
+                return nullcontext()
+            variants[f"fp4 nvfp4 ({operands} operands, dS {rnd})"] = (ctx, fp4_attn)
+    return variants
+
+
+def section_attention(args):
+    import attention as attn
+    b, h, t, d = ATTN_SHAPE
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    do = torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    flops = 3.5 * 4 * b * h * t * t * d / 2  # forward 2 GEMMs (halved: causal), backward 2.5x that
+    rows, best_bf16 = [], None
+    for name, (ctx, fn) in _attention_variants(attn).items():
+        row = dict(shape=f"{b}x{h}x{t}x{d} causal", attention=name)
+        try:
+            with ctx():
+                fwd = lambda: fn(q, k, v)  # noqa: E731
+                step = lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do)  # noqa: E731
+                step()
+                row.update(fwd_ms=round(bench(fwd), 3), fwd_bwd_ms=round(bench(step), 3),
+                           saved_mib=round(_saved_tensor_bytes(fwd) / 2**20, 1))
+        except Exception as err:  # a backend this torch/GPU lacks: say so, keep the others
+            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+        finally:
+            os.environ.pop("FP4_ATTENTION_OPERANDS", None)
+        if "fwd_bwd_ms" in row:
+            row["tflops_fwd_bwd"] = round(flops / row["fwd_bwd_ms"] * 1e-9, 1)
+            if name.startswith("sdpa"):
+                best_bf16 = min(best_bf16 or row["fwd_bwd_ms"], row["fwd_bwd_ms"])
+        rows.append(row)
+    for row in rows:
+        if "fwd_bwd_ms" in row and best_bf16:
+            row["vs_fastest_bf16"] = round(best_bf16 / row["fwd_bwd_ms"], 3)
+    rows += _fp4_attention_parts(attn, q.detach(), k.detach(), v.detach(), do)
+    print_table(rows, ["shape", "attention", "fwd_ms", "fwd_bwd_ms", "tflops_fwd_bwd", "vs_fastest_bf16",
+                       "saved_mib", "part_ms", "error"])
+    return rows
+
+
+def _fp4_attention_parts(attn, q, k, v, do):
+    """Where FP4 attention's time goes (default operands, dS sr): each stage timed alone."""
+    b, h, t, d = q.shape
+    sc = d ** -0.5
+    qq, kq, vq = (attn.quantize_qkv(x) for x in (q, k, v))
+    o, lse = attn.triton_forward(qq, kq, vq, True, sc, torch.bfloat16)
+    seed = torch.tensor([1], dtype=torch.int32, device="cuda")
+    parts = {
+        "quantize Q, K, V (kernels.cu)": lambda: [attn.quantize_qkv(x) for x in (q, k, v)],
+        "BF16 copies of Q, K, V (dequantize)": lambda: [attn._unit(x) for x in (qq, kq, vq)],
+        "re-quantize Q, K along T (kernels.cu)": lambda: (attn.along_tokens(qq), attn.along_tokens(kq)),
+    }
+    for warps, stages in ((8, 2), (4, 2), (8, 3)):  # launch settings to choose from (numbers unchanged)
+        parts[f"forward (copies + Triton), warps {warps} stages {stages}"] = lambda w=warps, st=stages: (
+            attn.triton_forward(qq, kq, vq, True, sc, torch.bfloat16, num_warps=w, num_stages=st))
+        parts[f"backward (all of it), warps {warps} stages {stages}"] = lambda w=warps, st=stages: (
+            attn.triton_backward(do, o, lse, qq, kq, vq, True, sc, seed, "sr", num_warps=w, num_stages=st))
+    return [dict(shape=f"{b}x{h}x{t}x{d} causal", attention=f"fp4 part: {name}", part_ms=round(bench(fn), 3))
+            for name, fn in parts.items()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -685,7 +784,7 @@ def llama_layers(size):
 
 
 SECTIONS = {"overhead": section_overhead, "profile": section_profile, "kernels": section_kernels, "accum": section_accum, "linear": section_linear, "step": section_step,
-            "ns": section_ns, "ns_time": section_ns_time}
+            "ns": section_ns, "ns_time": section_ns_time, "attention": section_attention}
 CPU_SECTIONS = {"ns"}  # sections that also run without a GPU
 
 

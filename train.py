@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
 import optim
-from model import GPT, GPTConfig, RECIPES, SIZES, apply_recipe, config_for
+from model import ATTENTIONS, GPT, GPTConfig, RECIPES, SIZES, apply_recipe, config_for
 
 # -----------------------------------------------------------------------------
 # config: every global here can be overridden by config/*.py and --key=value
@@ -51,6 +51,7 @@ n_kv_head = 0             # 0: as many kv heads as query heads; fewer: GQA
 recipe = 'quartet'        # one of model.RECIPES
 lora_rank = 0             # fullstack: rank of the BF16 part; 0: the default rule, -1: none
 lora_refit_interval = 4000  # fullstack: refit L by randomized SVD every this many steps (and at 0)
+attention = 'bf16'        # one of model.ATTENTIONS: 'nvfp4' is FP4 attention (attention.py), any recipe
 # AdamW and the lr schedule (Quartet's: betas (0.9, 0.95), wd 0.1, clip 1, cosine, 10% warmup)
 optimizer = 'adamw'  # adamw | adamw_fp4 | muon | root | root_fp4 (optim.build)
 weight_decay = 0.1
@@ -103,6 +104,8 @@ _log_path = None  # out_dir/train.log on the master rank, set in main()
 def check_config():
     if recipe not in RECIPES:
         raise configurator.ConfigError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+    if attention not in ATTENTIONS:
+        raise configurator.ConfigError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
     if model_size not in SIZES:
         raise configurator.ConfigError(f"unknown model_size {model_size!r}; "
                                        f"choose one of {', '.join(SIZES)}")
@@ -411,7 +414,8 @@ def init_run(rank, data_meta):
     else:
         vocab = 128 * math.ceil(data_meta['vocab_size'] / 128)  # pad: GEMM-friendly
         model_args = asdict(config_for(model_size, vocab_size=vocab, block_size=block_size,
-                                       n_kv_head=n_kv_head, lora_rank=lora_rank))
+                                       n_kv_head=n_kv_head, lora_rank=lora_rank,
+                                       attention=attention))
     model = build_model(model_args)
     if ckpt:
         check_resume_fsdp(ckpt)
