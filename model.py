@@ -9,7 +9,9 @@ batched matmuls and the lm_head stay in high precision (SPEC.md 5), unless
 attention='nvfp4' (attention.py: Q K^T and the dS products on NVFP4 operands, SPEC.md 8.3).
 """
 
+import contextlib
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -114,7 +116,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, qkv_out, bias=False)
         self.o = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, cache=None):
         B, T, C = x.size()
         hs, nh, nkv = self.head_size, self.n_head, self.n_kv_head
         q, k, v = self.qkv(x).split([nh * hs, nkv * hs, nkv * hs], dim=-1)
@@ -122,8 +124,12 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # SDPA (flash/cuDNN) or FP4 attention; each kv head serves nh/nkv q heads (GQA)
-        y = attention(q, k, v, causal=True, fmt=self.fmt)
+        if cache is not None:  # generating: attend to the cached positions too. SDPA in BF16:
+            k, v = cache.update(self, k, v)  # (B, nkv, S, hs), S = cached + T; FP4 attention
+            mask = causal_mask(T, k.size(2), x.device)  # quantizes whole sequences (README)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nkv != nh)
+        else:  # SDPA (flash/cuDNN) or FP4 attention; each kv head serves nh/nkv q heads (GQA)
+            y = attention(q, k, v, causal=True, fmt=self.fmt)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.o(y)
 
@@ -148,8 +154,8 @@ class Block(nn.Module):
         self.ln_2 = RMSNorm(config.n_embd, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.ln_1(x), cos, sin)
+    def forward(self, x, cos, sin, cache=None):
+        x = x + self.attn(self.ln_1(x), cos, sin, cache)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -191,12 +197,16 @@ class GPT(nn.Module):
             n -= self.transformer.wte.weight.numel() + self.lm_head.weight.numel()
         return n
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, cache=None):
         B, T = idx.size()
-        assert T <= self.config.block_size, f'sequence of {T} > block_size {self.config.block_size}'
+        pos = cache.pos if cache is not None else 0  # idx's first position
+        assert pos + T <= self.config.block_size, f'sequence of {pos + T} > block_size {self.config.block_size}'
+        cos, sin = self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]  # (T, hs/2)
         x = self.transformer.wte(idx)  # (B, T, C)
         for block in self.transformer.h:
-            x = block(x, self.rope_cos, self.rope_sin)
+            x = block(x, cos, sin, cache)
+        if cache is not None:
+            cache.pos += T
         x = self.transformer.ln_f(x)
         if targets is None:
             # inference: only the last position's logits are needed
@@ -217,18 +227,85 @@ class GPT(nn.Module):
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """Sample max_new_tokens after idx (B, T); no KV cache, like nanoGPT."""
-        for _ in range(max_new_tokens):
-            idx_cond = idx[:, -self.config.block_size:]
-            logits, _ = self(idx_cond)
-            logits = logits[:, -1, :] / temperature  # (B, vocab_size)
-            if top_k is not None:
-                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -float('inf')
-            idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-            idx = torch.cat((idx, idx_next), dim=1)
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, kv_cache=True):
+        """Sample max_new_tokens after idx (B, T); temperature 0 picks the most likely token.
+        With kv_cache each step runs only the newest position against the cached keys and
+        values. Past block_size the window slides, which moves every position's RoPE angle,
+        so from then on each step recomputes the window, as nanoGPT does without a cache. Both
+        paths compute the same function; their rounding differs (see sample.py for what that
+        does to FP4 layers)."""
+        cache = None
+        with fp4_rows_padded(self):
+            for _ in range(max_new_tokens):
+                if not kv_cache or idx.size(1) > self.config.block_size:
+                    logits, _ = self(idx[:, -self.config.block_size:])
+                elif cache is None:
+                    cache = KVCache()
+                    logits, _ = self(idx, cache=cache)
+                else:
+                    logits, _ = self(idx[:, -1:], cache=cache)
+                idx = torch.cat((idx, next_token(logits[:, -1, :], temperature, top_k)), dim=1)
         return idx
+
+# -----------------------------------------------------------------------------
+# generation helpers: KV cache, sampling, FP4 token counts
+
+class KVCache:
+    """The keys and values of the positions run so far, per attention layer, and how many."""
+
+    def __init__(self):
+        self.kv, self.pos = {}, 0
+
+    def update(self, layer, k, v):
+        """Append this step's k, v (B, nkv, T, hs) to the layer's; return all of them."""
+        if layer in self.kv:
+            k0, v0 = self.kv[layer]
+            k, v = torch.cat((k0, k), dim=2), torch.cat((v0, v), dim=2)
+        self.kv[layer] = (k, v)
+        return k, v
+
+def causal_mask(T, S, device):
+    """(T, S) bool: the T newest of S positions each see themselves and everything before."""
+    return torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T)
+
+def next_token(logits, temperature, top_k):
+    """(B, vocab_size) logits -> (B, 1) token ids: greedy at temperature 0, else sampled."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits[logits < v[:, [-1]]] = -float('inf')
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+
+@contextlib.contextmanager
+def fp4_rows_padded(model):
+    """Let FP4Linear run on any number of tokens while generating. It asks for a token count
+    divisible by its recipe's block (fp4._dim_multiple: 32 or 128), which training's backward
+    needs (the weight gradient's GEMM runs over tokens, SPEC 5); a sampling step has one token
+    a sequence. The forward quantizes each row on its own, in blocks along the input dim, and
+    NVFP4's tensor scale is an absmax, which rows of zeros leave alone. So padding the rows
+    with zeros up to the multiple leaves the real rows' outputs as they were; they are sliced
+    back out after the layer."""
+    fp4 = sys.modules.get('fp4')  # not imported: no FP4 layers in any model
+    layers = [m for m in model.modules() if fp4 is not None and isinstance(m, fp4.FP4Linear)]
+    handles = [h for m in layers for h in (m.register_forward_pre_hook(_pad_rows),
+                                           m.register_forward_hook(_unpad_rows))]
+    try:
+        yield model
+    finally:
+        for h in handles:
+            h.remove()
+
+def _pad_rows(layer, args):
+    x, = args                                # (..., in_features)
+    rows, mult = x.numel() // x.size(-1), sys.modules['fp4']._dim_multiple(layer.recipe)
+    layer._padded_from = (x.shape, -rows % mult)
+    return (F.pad(x.reshape(rows, x.size(-1)), (0, 0, 0, -rows % mult)),)  # (rows + pad, in)
+
+def _unpad_rows(layer, args, y):
+    shape, pad = layer._padded_from          # y: (rows + pad, out_features)
+    return y[:y.size(0) - pad].view(*shape[:-1], y.size(-1))
 
 # -----------------------------------------------------------------------------
 # FP4 recipes

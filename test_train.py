@@ -398,3 +398,315 @@ def test_prepare_fineweb_tokenize_and_write(tmp_path):
     # max_tokens stops the stream after the batch that crosses it
     meta = prep.tokenize_and_write(iter(docs), str(tmp_path), max_tokens=1, batch=2)
     assert meta['train_docs'] + meta['val_docs'] == 2
+
+# -----------------------------------------------------------------------------
+# fault tolerance: clear errors, preemption signals, kills mid-save, checkpoint rotation
+
+def fails(corpus, out_dir, *args):
+    """The message of the SystemExit a run stops with (what the command line prints)."""
+    with pytest.raises(SystemExit) as e:
+        run(corpus, out_dir, '--sample_tokens=0', *args)
+    assert isinstance(e.value.code, str), e.value.code  # a message, exit status 1
+    return e.value.code
+
+@pytest.fixture(scope='module')
+def two_ckpts(corpus, tmp_path_factory):
+    """A bf16 run of 4 steps: ckpt.pt (step 4) and the older ckpt.2.pt, never modified."""
+    out = tmp_path_factory.mktemp('two_ckpts')
+    run(corpus, out, '--recipe=bf16', '--max_iters=4', '--eval_interval=2', '--sample_tokens=0')
+    return out
+
+def copy_run(src, dst):
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+def test_nothing_to_resume(corpus, tmp_path):
+    msg = fails(corpus, tmp_path, '--resume=True')
+    assert 'nothing to resume from' in msg and str(tmp_path / 'ckpt.pt') in msg
+    assert 'without --resume' in msg
+    msg = fails(corpus, tmp_path, f'--resume_from={tmp_path}/nope.pt')
+    assert f'{tmp_path}/nope.pt not found' in msg
+
+@pytest.mark.parametrize('args,expect', [
+    (['--resume=True', '--out_dir=/nonexistent/run'], 'nothing to resume from'),
+    (['--block_size=100', '--batch_size=4'], "recipe 'quartet' needs batch_size * block_size divisible by 32"),
+])
+def test_cli_errors_are_one_line(args, expect):
+    """What a user sees: one line on stderr, no traceback, exit status 1, before any data."""
+    p = subprocess.run([sys.executable, 'train.py', '--data_dir=/nonexistent/data', *args], cwd=HERE,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, (p.returncode, p.stderr)
+    assert 'Traceback' not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert expect in p.stderr, p.stderr
+
+def test_recipe_dims_checked_when_config_is_read(tmp_path):
+    # the data dir does not exist: the dims error must come first, before any data or model
+    with pytest.raises(configurator.ConfigError) as e:
+        train.main([f'--out_dir={tmp_path}', '--data_dir=/nonexistent', '--block_size=100',
+                    '--batch_size=4', '--recipe=quartet'])
+    assert '4 * 100 = 400' in str(e.value) and '--block_size=96 or 104' in str(e.value)
+    with pytest.raises(configurator.ConfigError, match='divisible by 128.*4 \\* 40 = 160'):
+        train.main([f'--out_dir={tmp_path}', '--data_dir=/nonexistent', '--block_size=40',
+                    '--batch_size=4', '--recipe=quartet2'])
+    with pytest.raises(configurator.ConfigError, match="n_kv_head=3: n_head must be a multiple"):
+        train.main([f'--out_dir={tmp_path}', '--data_dir=/nonexistent', '--n_kv_head=3'])
+    with pytest.raises(configurator.ConfigError, match='keep_checkpoints must be at least 1'):
+        train.main([f'--out_dir={tmp_path}', '--keep_checkpoints=0'])
+
+def test_truncated_checkpoint_is_refused_at_every_offset(corpus, two_ckpts, tmp_path):
+    data = (two_ckpts / 'ckpt.pt').read_bytes()
+    out = copy_run(two_ckpts, tmp_path / 'run')
+    for cut in (0, 1, 64, 1000, len(data) // 3, len(data) // 2, len(data) - 22, len(data) - 1):
+        (out / 'ckpt.pt').write_bytes(data[:cut])
+        msg = fails(corpus, out, '--resume=True', '--recipe=bf16', '--max_iters=6')
+        assert f'{out}/ckpt.pt is unreadable: truncated or corrupt' in msg, (cut, msg)
+        assert f'--resume_from={out}/ckpt.2.pt' in msg, (cut, msg)
+    # the older one resumes; an unreadable older one offers nothing older still
+    (out / 'ckpt.2.pt').write_bytes(b'not a checkpoint')
+    msg = fails(corpus, out, f'--resume_from={out}/ckpt.2.pt', '--recipe=bf16', '--max_iters=6')
+    assert 'unreadable' in msg and 'no older checkpoint is kept' in msg
+    torch.save([1, 2, 3], out / 'ckpt.pt')
+    msg = fails(corpus, out, '--resume=True', '--recipe=bf16')
+    assert 'is not a train.py checkpoint: no model, model_args' in msg
+
+def test_checkpoint_recipe_or_shape_differs_from_flags(corpus, two_ckpts, tmp_path):
+    out = copy_run(two_ckpts, tmp_path / 'run')
+    msg = fails(corpus, out, '--resume=True', '--recipe=quartet')
+    assert "trained with recipe='bf16', but the flags ask for recipe='quartet'" in msg
+    assert "keeps its checkpoint's recipe" in msg and "continue with 'bf16'" in msg
+    msg = fails(corpus, out, '--resume=True', '--recipe=bf16', '--block_size=64')
+    assert "trained with block_size=32, but the flags ask for block_size=64" in msg
+    # not set on the command line: the checkpoint's recipe wins, and the log says so
+    s = run(corpus, out, '--resume=True', '--max_iters=5', '--eval_interval=5', '--sample_tokens=0')
+    assert s['recipe'] == 'bf16'
+    assert "resuming with the checkpoint's recipe='bf16' (the default is 'quartet')" in \
+        (out / 'train.log').read_text()
+    ckpt = torch.load(out / 'ckpt.pt', weights_only=False)
+    ckpt['recipe'] = 'fullstack9'
+    torch.save(ckpt, out / 'ckpt.pt')
+    msg = fails(corpus, out, '--resume=True')
+    assert "recipe 'fullstack9', which this code does not know" in msg
+
+def test_optimizer_state_from_another_optimizer(corpus, two_ckpts, tmp_path):
+    out = copy_run(two_ckpts, tmp_path / 'run')
+    ckpt = torch.load(out / 'ckpt.pt', weights_only=False)
+    assert ckpt['optimizer_class'] == 'torch.optim.adamw.AdamW'
+    m = GPT(model_py.GPTConfig(**ckpt['model_args']))
+    sgd = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    m(torch.zeros(1, 32, dtype=torch.long), torch.zeros(1, 32, dtype=torch.long))[1].backward()
+    sgd.step()
+    torch.save(dict(ckpt, optimizer=sgd.state_dict(), optimizer_class='torch.optim.sgd.SGD'),
+               out / 'ckpt.pt')
+    msg = fails(corpus, out, '--resume=True', '--recipe=bf16')
+    assert 'holds the state of a torch.optim.sgd.SGD optimizer, but this run builds ' \
+           'torch.optim.adamw.AdamW' in msg
+    del ckpt['optimizer_class']  # an older checkpoint: torch's own check, turned into a message
+    torch.save(dict(ckpt, optimizer=sgd.state_dict()), out / 'ckpt.pt')
+    msg = fails(corpus, out, '--resume=True', '--recipe=bf16')
+    assert "its optimizer state does not fit this run's torch.optim.adamw.AdamW" in msg
+
+def bad_corpus(corpus, path, **changes):
+    """A copy of the corpus with train.bin replaced (bytes) and meta.json edited."""
+    import shutil
+    shutil.copytree(corpus, path)
+    if 'train' in changes:
+        (path / 'train.bin').write_bytes(changes.pop('train'))
+    meta = json.loads((path / 'meta.json').read_text())
+    for k, v in changes.items():
+        if v is None:
+            meta.pop(k)
+        else:
+            meta[k] = v
+    (path / 'meta.json').write_text(json.dumps(meta))
+    return str(path)
+
+def test_bad_data_is_refused(corpus, two_ckpts, tmp_path):
+    good = (open(os.path.join(corpus, 'train.bin'), 'rb').read())
+    cases = [
+        (dict(dtype='uint16'), "says the token ids are uint16; train.py reads uint32"),
+        (dict(train=good[:-2]), 'not a whole number of uint32 tokens'),
+        (dict(train=np.full(1000, 300, np.uint32).tobytes()), 'holds token id 300, but meta.json says vocab_size 256'),
+        (dict(train=good[:40]), 'has 10 tokens, fewer than block_size + 2 = 34'),
+        (dict(vocab_size=None), 'has no integer vocab_size'),
+    ]
+    for i, (change, expect) in enumerate(cases):
+        msg = fails(bad_corpus(corpus, tmp_path / f'c{i}', **change), tmp_path / f'o{i}', '--recipe=bf16')
+        assert expect in msg, (change, msg)
+    os.remove(tmp_path / 'c0' / 'meta.json')
+    assert 'meta.json not found' in fails(str(tmp_path / 'c0'), tmp_path / 'o', '--recipe=bf16')
+    os.remove(bad_corpus(corpus, tmp_path / 'noval') + '/val.bin')
+    assert 'val.bin not found' in fails(str(tmp_path / 'noval'), tmp_path / 'o', '--recipe=bf16')
+    msg = fails(str(tmp_path / 'nope'), tmp_path / 'o', '--recipe=bf16')
+    assert 'train.bin not found' in msg and '--data_dir' in msg
+    # a corpus with a larger vocabulary than the checkpoint's model
+    wide = bad_corpus(corpus, tmp_path / 'wide', vocab_size=100277)
+    msg = fails(wide, copy_run(two_ckpts, tmp_path / 'run'), '--resume=True', '--recipe=bf16')
+    assert "the data's vocabulary (100277 tokens" in msg and "larger than the model's (256" in msg
+
+def test_disk_full_while_saving_keeps_the_last_checkpoint(corpus, two_ckpts, tmp_path):
+    out = copy_run(two_ckpts, tmp_path / 'run')
+    before = file_hash(out / 'ckpt.pt')
+    os.symlink('/dev/full', out / 'ckpt.pt.tmp')  # every write to the temp file: ENOSPC
+    msg = fails(corpus, out, '--resume=True', '--recipe=bf16', '--max_iters=6', '--eval_interval=2')
+    assert 'could not write the checkpoint of step 6' in msg and 'No space left on device' in msg
+    assert f'the last good checkpoint ({out}/ckpt.pt) is as it was' in msg
+    assert file_hash(out / 'ckpt.pt') == before and not os.path.lexists(out / 'ckpt.pt.tmp')
+    assert sorted(p.name for p in out.glob('ckpt*')) == ['ckpt.2.pt', 'ckpt.pt']
+
+def test_keep_checkpoints(corpus, tmp_path):
+    run(corpus, tmp_path, '--recipe=bf16', '--max_iters=6', '--eval_interval=2', '--keep_checkpoints=3',
+        '--sample_tokens=0')
+    names = sorted(p.name for p in tmp_path.glob('ckpt*'))
+    assert names == ['ckpt.2.pt', 'ckpt.4.pt', 'ckpt.pt']
+    for name, step in (('ckpt.2.pt', 2), ('ckpt.4.pt', 4), ('ckpt.pt', 6)):
+        assert torch.load(tmp_path / name, weights_only=False)['iter_num'] == step
+    # a fresh run in the same out_dir replaces the earlier run's checkpoints at its first save
+    run(corpus, tmp_path, '--recipe=bf16', '--max_iters=3', '--eval_interval=3', '--sample_tokens=0')
+    assert sorted(p.name for p in tmp_path.glob('ckpt*')) == ['ckpt.pt']
+
+def same_state(a, b, where='ckpt'):
+    """Recursive equality of checkpoint contents: tensors and arrays bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), (where, a.keys(), b.keys())
+        for k in a:
+            same_state(a[k], b[k], f'{where}[{k!r}]')
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            same_state(x, y, f'{where}[{i}]')
+    else:
+        assert a == b, (where, a, b)
+
+@needs_fp4
+def test_every_state_survives_the_round_trip(corpus, tmp_path):
+    """Resume's loading: model (parameters and buffers), optimizer state and every RNG come
+    back bit for bit, for whatever states the recipe and the optimizer add."""
+    run(corpus, tmp_path, '--recipe=quartet', '--max_iters=2', '--eval_interval=2', '--sample_tokens=0')
+    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=False)
+    assert ckpt['optimizer']['state'], 'the optimizer has state to carry'
+    args = [f'--data_dir={corpus}', f'--out_dir={tmp_path}', '--model_size=tiny', '--block_size=32',
+            '--batch_size=8', '--device=cpu', '--dtype=float32', '--resume=True', '--recipe=quartet']
+    train.setup(args)
+    data, meta = train.load_data(True)
+    torch.manual_seed(0), np.random.seed(0)  # scramble: the loader must restore them
+    model, model_args, optimizer, iter_num, history = train.init_run(0, meta)
+    same_state(ckpt['model'], model.state_dict(), 'model')
+    same_state(ckpt['optimizer'], optimizer.state_dict(), 'optimizer')
+    same_state(ckpt['rng'][0], train.rng_states(), 'rng')
+    assert iter_num == 2 and history == ckpt['history'] and model_args == ckpt['model_args']
+    assert ckpt['meta']['vocab_size'] == 256 and ckpt['recipe'] == 'quartet'
+
+# --- real processes: a signal or a kill at a chosen moment, then --resume
+
+def cli_args(corpus, out_dir, *args):
+    return [sys.executable, 'train.py', f'--data_dir={corpus}', f'--out_dir={out_dir}',
+            '--model_size=tiny', '--block_size=32', '--batch_size=8', '--eval_iters=2',
+            '--learning_rate=0.01', '--device=cpu', '--dtype=float32', '--compile=False',
+            '--sample_tokens=0', *args]
+
+KILL_RUN = ['--recipe=quartet', '--max_iters=4', '--eval_interval=2']  # RNG-driven backward
+
+def cli(corpus, out_dir, *args, env=None):
+    p = subprocess.run(cli_args(corpus, out_dir, *args), cwd=HERE, capture_output=True, text=True,
+                       timeout=240, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p
+
+def start(corpus, out_dir, *args, env=None):
+    os.makedirs(out_dir, exist_ok=True)
+    log = open(os.path.join(out_dir, 'stdout.txt'), 'w')
+    return subprocess.Popen(cli_args(corpus, out_dir, *args), cwd=HERE, stdout=log,
+                            stderr=subprocess.STDOUT, env=env)
+
+def wait_for(proc, out_dir, text, timeout=240):
+    """Poll the process's output until it shows text; fail if it exits first."""
+    import time
+    path = os.path.join(out_dir, 'stdout.txt')
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        with open(path) as f:
+            if text in f.read():
+                return
+        assert proc.poll() is None, f'exited ({proc.returncode}) before {text!r}: ' + open(path).read()[-2000:]
+        time.sleep(0.02)
+    proc.kill()
+    raise AssertionError(f'no {text!r} within {timeout}s')
+
+@pytest.fixture(scope='module')
+def uninterrupted(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp('uninterrupted')
+    cli(corpus, out, *KILL_RUN)
+    return json.loads((out / 'summary.json').read_text())['loss_curve']
+
+def assert_same_curve(a, b):
+    assert b['steps'] == list(range(len(a['steps'])))
+    assert a['train_loss'] == b['train_loss']  # exact float equality
+    assert a['val_steps'] == b['val_steps'] and a['val_loss'] == b['val_loss']
+
+@needs_fp4
+def test_sigterm_then_resume_is_exact(corpus, tmp_path, uninterrupted):
+    import signal
+    proc = start(corpus, tmp_path, *KILL_RUN)
+    wait_for(proc, tmp_path, 'step 1/4 |')
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0  # a clean stop
+    out = (tmp_path / 'stdout.txt').read_text()
+    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=False)
+    stopped = ckpt['iter_num']
+    assert 2 <= stopped < 4 and len(ckpt['history']['steps']) == stopped  # the step finished
+    assert f'SIGTERM: stopped after step {stopped - 1}, checkpoint {tmp_path}/ckpt.pt; ' \
+           f'continue with --resume=True' in out
+    assert 'val_loss=' not in out  # it did not run on to the end
+    cli(corpus, tmp_path, *KILL_RUN, '--resume=True')
+    assert_same_curve(uninterrupted, json.loads((tmp_path / 'summary.json').read_text())['loss_curve'])
+
+@needs_fp4
+def test_sigkill_mid_checkpoint_write_then_resume_is_exact(corpus, tmp_path, uninterrupted):
+    import signal
+    env = dict(os.environ, TRAIN_TEST_SLOW_SAVE='4')  # the step-4 save sleeps before its rename
+    proc = start(corpus, tmp_path, *KILL_RUN, env=env)
+    wait_for(proc, tmp_path, 'test hook: ')
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert (tmp_path / 'ckpt.pt.tmp').exists()  # the new checkpoint, never renamed
+    assert torch.load(tmp_path / 'ckpt.pt', weights_only=False)['iter_num'] == 2
+    p = cli(corpus, tmp_path, *KILL_RUN, '--resume=True')
+    assert 'step 2/4' in p.stdout and 'step 1/4' not in p.stdout  # resumed at the previous one
+    assert_same_curve(uninterrupted, json.loads((tmp_path / 'summary.json').read_text())['loss_curve'])
+    assert not (tmp_path / 'ckpt.pt.tmp').exists()
+
+def rank_pids(pid):
+    """{rank: pid} of torchrun's workers, from /proc (Linux): its children's RANK variable."""
+    ranks = {}
+    for task in os.listdir(f'/proc/{pid}/task'):
+        for child in open(f'/proc/{pid}/task/{task}/children').read().split():
+            env = open(f'/proc/{child}/environ', 'rb').read().split(b'\0')
+            rank = [e[5:] for e in env if e.startswith(b'RANK=')]
+            if rank:
+                ranks[int(rank[0])] = int(child)
+    return ranks
+
+@pytest.mark.skipif(not os.path.isdir('/proc/self/task'), reason='finds the ranks through /proc')
+def test_torchrun_ranks_stop_at_the_same_step(corpus, tmp_path):
+    """SIGUSR1 to rank 1 alone: both ranks stop after the same step (all_reduce of the stop
+    flag), rank 0 writes a checkpoint with both ranks' RNG states, and torchrun exits 0."""
+    import signal
+    args = cli_args(corpus, tmp_path, '--recipe=bf16', '--gradient_accumulation_steps=2',
+                    '--max_iters=200', '--eval_interval=100')
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', *args[1:]]
+    os.makedirs(tmp_path, exist_ok=True)
+    proc = subprocess.Popen(cmd, cwd=HERE, stdout=open(tmp_path / 'stdout.txt', 'w'),
+                            stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS='1'))
+    wait_for(proc, tmp_path, 'step 2/200 |')
+    os.kill(rank_pids(proc.pid)[1], signal.SIGUSR1)
+    assert proc.wait(timeout=120) == 0, (tmp_path / 'stdout.txt').read_text()[-3000:]
+    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=False)
+    stopped = ckpt['iter_num']
+    assert 3 <= stopped < 200 and len(ckpt['rng']) == 2
+    assert f'a stop signal on another rank: stopped after step {stopped - 1}' in \
+        (tmp_path / 'train.log').read_text()

