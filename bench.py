@@ -10,6 +10,7 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import time
 
 import torch
@@ -298,9 +299,10 @@ def section_linear(args):
         grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         ref = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
         layers = {"bf16": ref, "fp8-rowwise": lambda t: FP8RowwiseLinear.apply(t, ref.weight)}
-        for recipe in ("quartet", "nvfp4", "quartet2"):
+        for recipe in ("quartet", "nvfp4", "quartet2", "fullstack"):
             lin = fp4.FP4Linear(k, n, recipe=recipe, device="cuda", dtype=torch.bfloat16)
             lin.weight = ref.weight
+            fp4.refit_lora(lin)  # fullstack's L from this weight (no-op for the others)
             layers[recipe] = lin
         base = None
         runs = {name: _fwd_bwd(layer, x, grad) for name, layer in layers.items()}
@@ -375,8 +377,10 @@ def _fp8_model(model):
 # The variants a Hopper user compares (SPEC 7): recipe names of model.RECIPES, "fp8-rowwise" (this
 # file's FP8 linear), and torchao's float8 training ("float8-tensorwise", "float8-rowwise"; skipped
 # with the reason where torchao is not installed). All convert the same block linears; lm_head,
-# embeddings, norms and attention stay BF16 everywhere.
-STEP_VARIANTS = ("bf16", "float8-tensorwise", "float8-rowwise", "quartet", "nvfp4", "quartet2")
+# embeddings and norms stay BF16 everywhere, attention too unless a variant ends in "+attn-nvfp4"
+# (attention.py's FP4 attention, SPEC 8.3).
+STEP_VARIANTS = ("bf16", "float8-tensorwise", "float8-rowwise", "quartet", "nvfp4", "quartet2", "fullstack",
+                 "bf16+attn-nvfp4", "quartet+attn-nvfp4")
 
 
 class SkipVariant(Exception):
@@ -397,14 +401,16 @@ def _step_model(args, variant):
     """The ~1B Llama for one step variant, on the GPU, with its optimizer (as train.py makes it)."""
     import model as llama
     torch.manual_seed(0)
-    cfg = llama.config_for(args.model, block_size=args.seq)
+    base, _, attn = variant.partition("+attn-")  # e.g. "quartet+attn-nvfp4": FP4 attention too
+    cfg = llama.config_for(args.model, block_size=args.seq, attention=attn or "bf16")
     net = llama.GPT(cfg).cuda()
-    if variant.startswith("float8-"):
-        net = _torchao_float8(net, variant.split("-", 1)[1])
-    elif variant == "fp8-rowwise":
+    if base.startswith("float8-"):
+        net = _torchao_float8(net, base.split("-", 1)[1])
+    elif base == "fp8-rowwise":
         net = _fp8_model(net)
     else:
-        net = llama.apply_recipe(net, variant)
+        net = llama.apply_recipe(net, base)
+        fp4.refit_lora(net)  # fullstack: fit L as train.py does at step 0 (no-op for the others)
     return net, net.configure_optimizers(0.1, 1e-4, (0.9, 0.95)), cfg
 
 
@@ -464,6 +470,102 @@ def section_step(args):
         print_table([r for r in rows if r["mode"] == mode and "ms" in r],
                     ["model", "variant", "mode", "ms", "tokens_per_s", "vs_bf16", "peak_gib", "mem_vs_bf16", "first_step_s"])
     return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# attention: FP4 attention (attention.py) forward + backward against SDPA's BF16 backends, one run
+
+ATTN_SHAPE = (8, 16, 2048, 128)  # B, H, T, D: the 1b model's attention, causal
+
+
+def _saved_tensor_bytes(fn):
+    """Bytes of the distinct tensors autograd saves for the backward while fn() runs."""
+    seen = {}
+
+    def pack(t):
+        seen[(t.data_ptr(), t.dtype, tuple(t.shape))] = t.numel() * t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return sum(seen.values())
+
+
+def _attention_variants(attn):
+    """name -> (context manager factory, attention function of q, k, v)."""
+    from contextlib import nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    sdpa = lambda q, k, v: attn.attention(q, k, v, causal=True)  # noqa: E731
+    variants = {f"sdpa {name} (bf16)": (lambda b=backend: sdpa_kernel(b), sdpa) for name, backend in
+                (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                 ("efficient", SDPBackend.EFFICIENT_ATTENTION))}
+    for operands in ("codes", "bf16"):
+        for rnd in ("sr", "rn"):
+            def fp4_attn(q, k, v, rnd=rnd):
+                return attn.attention(q, k, v, causal=True, fmt="nvfp4", ds_rounding=rnd)
+
+            def ctx(operands=operands):
+                os.environ["FP4_ATTENTION_OPERANDS"] = operands
+                return nullcontext()
+            variants[f"fp4 nvfp4 ({operands} operands, dS {rnd})"] = (ctx, fp4_attn)
+    return variants
+
+
+def section_attention(args):
+    import attention as attn
+    b, h, t, d = ATTN_SHAPE
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    do = torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    flops = 3.5 * 4 * b * h * t * t * d / 2  # forward 2 GEMMs (halved: causal), backward 2.5x that
+    rows, best_bf16 = [], None
+    for name, (ctx, fn) in _attention_variants(attn).items():
+        row = dict(shape=f"{b}x{h}x{t}x{d} causal", attention=name)
+        try:
+            with ctx():
+                fwd = lambda: fn(q, k, v)  # noqa: E731
+                step = lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do)  # noqa: E731
+                step()
+                row.update(fwd_ms=round(bench(fwd), 3), fwd_bwd_ms=round(bench(step), 3),
+                           saved_mib=round(_saved_tensor_bytes(fwd) / 2**20, 1))
+        except Exception as err:  # a backend this torch/GPU lacks: say so, keep the others
+            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+        finally:
+            os.environ.pop("FP4_ATTENTION_OPERANDS", None)
+        if "fwd_bwd_ms" in row:
+            row["tflops_fwd_bwd"] = round(flops / row["fwd_bwd_ms"] * 1e-9, 1)
+            if name.startswith("sdpa"):
+                best_bf16 = min(best_bf16 or row["fwd_bwd_ms"], row["fwd_bwd_ms"])
+        rows.append(row)
+    for row in rows:
+        if "fwd_bwd_ms" in row and best_bf16:
+            row["vs_fastest_bf16"] = round(best_bf16 / row["fwd_bwd_ms"], 3)
+    rows += _fp4_attention_parts(attn, q.detach(), k.detach(), v.detach(), do)
+    print_table(rows, ["shape", "attention", "fwd_ms", "fwd_bwd_ms", "tflops_fwd_bwd", "vs_fastest_bf16",
+                       "saved_mib", "part_ms", "error"])
+    return rows
+
+
+def _fp4_attention_parts(attn, q, k, v, do):
+    """Where FP4 attention's time goes (default operands, dS sr): each stage timed alone."""
+    b, h, t, d = q.shape
+    sc = d ** -0.5
+    qq, kq, vq = (attn.quantize_qkv(x) for x in (q, k, v))
+    o, lse = attn.triton_forward(qq, kq, vq, True, sc, torch.bfloat16)
+    seed = torch.tensor([1], dtype=torch.int32, device="cuda")
+    parts = {
+        "quantize Q, K, V (kernels.cu)": lambda: [attn.quantize_qkv(x) for x in (q, k, v)],
+        "BF16 copies of Q, K, V (dequantize)": lambda: [attn._unit(x) for x in (qq, kq, vq)],
+        "re-quantize Q, K along T (kernels.cu)": lambda: (attn.along_tokens(qq), attn.along_tokens(kq)),
+    }
+    for warps, stages in ((8, 2), (4, 2), (8, 3)):  # launch settings to choose from (numbers unchanged)
+        parts[f"forward (copies + Triton), warps {warps} stages {stages}"] = lambda w=warps, st=stages: (
+            attn.triton_forward(qq, kq, vq, True, sc, torch.bfloat16, num_warps=w, num_stages=st))
+        parts[f"backward (all of it), warps {warps} stages {stages}"] = lambda w=warps, st=stages: (
+            attn.triton_backward(do, o, lse, qq, kq, vq, True, sc, seed, "sr", num_warps=w, num_stages=st))
+    return [dict(shape=f"{b}x{h}x{t}x{d} causal", attention=f"fp4 part: {name}", part_ms=round(bench(fn), 3))
+            for name, fn in parts.items()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -533,7 +635,216 @@ def section_overhead(args):
     return rows
 
 
-SECTIONS = {"overhead": section_overhead, "profile": section_profile, "kernels": section_kernels, "accum": section_accum, "linear": section_linear, "step": section_step}
+# ---------------------------------------------------------------------------------------------
+# ns: Newton-Schulz in FP4 (optim.py, SPEC 8.2): quality per design at every 2-D block shape of the
+# 30m and 1b models (runs on a CPU too), and GPU time per optimizer step of the 1B model
+
+NS_PRECISIONS = [("fp32", "-"), ("bf16", "-")] + [("nvfp4", d) for d in ("naive", "residual", "bf16_tail", "compensated_tail")]
+FP4_SPEEDUP = 4.0  # Blackwell: dense NVFP4 tensor-core rate / dense BF16 rate (B200 and RTX 5090 spec sheets)
+
+
+def ns_shapes(size):
+    """{name: (rows, cols)} of the block linears of model.SIZES[size] (nn.Linear weights: out x in)."""
+    import model as llama
+    c = llama.config_for(size)
+    hs = c.n_embd // c.n_head
+    return {"qkv": ((c.n_head + 2 * c.n_kv_head) * hs, c.n_embd), "o": (c.n_embd, c.n_embd),
+            "gate_up": (2 * c.ffn_hidden, c.n_embd), "down": (c.n_embd, c.ffn_hidden)}
+
+
+def power_law_matrix(shape, alpha, seed=0):
+    """U diag(i^-alpha) V^T with Haar-random U, V (FP64): a decaying spectrum of known SVD."""
+    g = torch.Generator().manual_seed(seed)
+    m, n = shape
+    k = min(m, n)
+    u, _ = torch.linalg.qr(torch.randn(m, k, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(n, k, generator=g, dtype=torch.float64))
+    return (u * torch.arange(1, k + 1, dtype=torch.float64) ** -alpha) @ v.T
+
+
+def momentum_matrices(path):
+    """{shape: a middle layer's momentum buffer} from a train.py checkpoint of a Muon/ROOT run."""
+    ck = torch.load(path, map_location="cpu", weights_only=False)
+    sd = ck["optimizer"]
+    parts = sd["parts"] if "parts" in sd else [sd]
+    found = {}
+    for part in parts:
+        for st in part["state"].values():
+            if "momentum_buffer" in st and st["momentum_buffer"].ndim == 2:
+                found.setdefault(tuple(st["momentum_buffer"].shape), []).append(st["momentum_buffer"].float())
+    return {shape: bufs[len(bufs) // 2] for shape, bufs in found.items()}
+
+
+def ns_quality(G, P, abc, precision, design):
+    """cosine of newton_schulz(G) to the exact polar factor P, its singular values, GEMM FLOP shares."""
+    import optim
+    stats = {}
+    X = optim.newton_schulz(G, 5, abc, precision, design if design != "-" else "compensated_tail", stats).double()
+    small = X if X.shape[0] <= X.shape[1] else X.T
+    s = torch.linalg.eigvalsh(small @ small.T).clamp(min=0).sqrt()  # singular values; faster than svdvals
+    total = sum(stats.values())
+    return dict(cos=round(float((X * P).sum() / (X.norm() * P.norm())), 4),
+                sv_min=round(float(s.min()), 3), sv_med=round(float(s.median()), 3), sv_max=round(float(s.max()), 3),
+                fp4_share=round(stats.get("nvfp4", 0) / total, 3),
+                gemm_flops=total,
+                _cost=stats.get("nvfp4", 0) / FP4_SPEEDUP + stats.get("bf16", 0) + stats.get("fp32", 0))
+
+
+def _ns_sources(shape, momenta):
+    """(source name, matrix, coefficients key) per input: a power-law spectrum (s_i = 1/i), a
+    Gaussian matrix (Marchenko-Pastur spectrum: flat, no dominant direction, the hard case), and
+    each run's momentum as Muon sees it (raw, Muon's coefficients) and as ROOT does
+    (soft-thresholded, ROOT's coefficients)."""
+    import optim
+    yield "power1", power_law_matrix(shape, 1.0), "root"
+    yield "gauss", torch.randn(*shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64), "root"
+    for tag, mats in momenta.items():
+        if shape in mats:
+            yield f"{tag}", mats[shape], "muon"
+            yield f"{tag}+soft", optim.soft_threshold(mats[shape], 0.9), "root"
+
+
+def section_ns(args):
+    import optim
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    momenta = {os.path.basename(os.path.dirname(p)) or p: momentum_matrices(p) for p in args.momentum}
+    rows = []
+    for size in args.ns_sizes.split(","):
+        for name, shape in ns_shapes(size).items():
+            for source, G, coef in _ns_sources(shape, momenta):
+                G = G.to(device)
+                u, _, vh = torch.linalg.svd(G.double(), full_matrices=False)
+                P = u @ vh  # the exact polar factor U V^T
+                abc = optim.ns_coefficients(shape, coef)
+                base = None
+                for precision, design in NS_PRECISIONS:
+                    t = time.time()
+                    r = ns_quality(G, P, abc, precision, design)
+                    base = base or r
+                    rows.append(dict(size=size, matrix=name, shape=f"{shape[0]}x{shape[1]}", source=source,
+                                     coef="muon" if abc == optim.MUON_COEFFICIENTS else "root",
+                                     precision=precision, design=design, **{k: v for k, v in r.items() if not k.startswith("_")},
+                                     d_cos_vs_bf16=None, cost_vs_bf16=round(r["_cost"] / base["_cost"], 3), s=round(time.time() - t, 1)))
+                    print_table_row(rows[-1], NS_COLS)
+                bf16 = next(r for r in rows[-len(NS_PRECISIONS):] if r["precision"] == "bf16")
+                for r in rows[-len(NS_PRECISIONS):]:
+                    r["d_cos_vs_bf16"] = round(r["cos"] - bf16["cos"], 4)
+    print()
+    print_table(rows, NS_COLS)
+    return rows
+
+
+NS_COLS = ["size", "matrix", "shape", "source", "coef", "precision", "design", "cos", "d_cos_vs_bf16",
+           "sv_min", "sv_med", "sv_max", "fp4_share", "cost_vs_bf16", "s"]
+
+
+def print_table_row(row, cols):
+    print("  ".join(_fmt(row.get(c)) for c in cols), flush=True)
+
+
+def section_ns_time(args):
+    """Newton-Schulz time per optimizer step for all 2-D hidden matrices of --model (4 per block),
+    per precision, on this GPU. blackwell_cost_vs_bf16 is a PROJECTION from the GEMM FLOPs
+    (NVFP4 at FP4_SPEEDUP x the BF16 rate, quantization passes not counted), not a measurement."""
+    import optim
+    shapes = [s for s in ns_shapes(args.model).values() for _ in range(llama_layers(args.model))]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    mats = {s: torch.randn(*s, device="cuda", generator=gen) for s in set(shapes)}
+    rows = []
+    for precision, design in [("fp32", "-"), ("bf16", "-"), ("nvfp4", "residual"), ("nvfp4", "bf16_tail"),
+                              ("nvfp4", "compensated_tail")]:
+        d = design if design != "-" else "compensated_tail"
+        stats = {}
+
+        def step(stats=None):
+            for s in shapes:
+                optim.newton_schulz(mats[s], 5, optim.ns_coefficients(s, "root"), precision, d, stats)
+
+        step(stats)
+        ms = bench(step, warmup=1, reps=3)
+        total = sum(stats.values())
+        cost = stats.get("nvfp4", 0) / FP4_SPEEDUP + stats.get("bf16", 0) + stats.get("fp32", 0)
+        rows.append(dict(model=args.model, matrices=len(shapes), precision=precision, design=design, ms=round(ms, 1),
+                         gemm_tflop=round(total / 1e12, 2), fp4_share=round(stats.get("nvfp4", 0) / total, 3),
+                         tflop_s=round(total / ms / 1e9), _cost=cost))
+    bf16 = next(r for r in rows if r["precision"] == "bf16")
+    for r in rows:
+        r["vs_bf16_ms"] = round(r["ms"] / bf16["ms"], 2)
+        r["blackwell_cost_vs_bf16_projected"] = round(r["_cost"] / bf16["_cost"], 3)
+    for r in rows:
+        del r["_cost"]
+    print_table(rows, ["model", "matrices", "precision", "design", "ms", "vs_bf16_ms", "gemm_tflop", "tflop_s",
+                       "fp4_share", "blackwell_cost_vs_bf16_projected"])
+    return rows
+
+
+def llama_layers(size):
+    import model as llama
+    return llama.config_for(size).n_layer
+
+
+SECTIONS = {"overhead": section_overhead, "profile": section_profile, "kernels": section_kernels, "accum": section_accum, "linear": section_linear, "step": section_step,
+            "ns": section_ns, "ns_time": section_ns_time, "attention": section_attention}
+CPU_SECTIONS = {"ns"}  # sections that also run without a GPU
+
+
+# ---------------------------------------------------------------------------------------------
+# fsdp (not in the default sections): train.py's 1B run under DDP against FSDP2, through torchrun
+
+def _random_corpus(path, vocab=100277, n=1 << 22):
+    """Random token ids: the speed of a step does not depend on the text (loss ~ ln vocab)."""
+    os.makedirs(path, exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    for split in ("train", "val"):
+        torch.randint(0, vocab, (n,), generator=gen, dtype=torch.int32).numpy().tofile(os.path.join(path, f"{split}.bin"))
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump(dict(vocab_size=vocab, eot_token=0, dtype="uint32", encoding="random"), f)
+
+
+def _train_run(n, fsdp, recipe, args, data_dir):
+    """One torchrun of train.py config/llama_1b.py on n GPUs, one micro-batch per rank a step;
+    returns its summary.json (rank 0's peak memory; tokens/s over all ranks) or the error."""
+    out_dir = os.path.join("out", "bench_fsdp", f"{recipe}_{'fsdp' if fsdp else 'ddp'}_{n}")
+    cmd = ["torchrun", "--standalone", f"--nproc_per_node={n}", "train.py", "config/llama_1b.py",
+           f"--fsdp={fsdp}", f"--recipe={recipe}", f"--max_iters={args.fsdp_iters}",
+           f"--gradient_accumulation_steps={n}", "--eval_iters=1", "--always_save_checkpoint=False",
+           f"--compile={args.fsdp_compile}", f"--data_dir={data_dir}", f"--out_dir={out_dir}"]
+    print(" ".join(cmd), flush=True)
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode:
+        return dict(error=(p.stdout + p.stderr)[-2000:])
+    with open(os.path.join(out_dir, "summary.json")) as f:
+        return json.load(f)
+
+
+def section_fsdp(args):
+    """Tokens/s per GPU and peak memory per GPU (rank 0's) of the 1B model, DDP against FSDP2, on
+    each GPU count in --gpus (1: one process against FSDP2 on one rank, a check of the CUDA path);
+    the first timed step is excluded (compile) as train.py does."""
+    data_dir = os.path.join("out", "bench_fsdp", "data")
+    _random_corpus(data_dir)
+    rows = []
+    for n in map(int, args.gpus.split(",")):
+        if n > torch.cuda.device_count():
+            rows.append(dict(gpus=n, skipped=f"{torch.cuda.device_count()} GPUs here"))
+            continue
+        for recipe, fsdp in [(r, f) for r in args.fsdp_recipe.split(",") for f in (False, True)]:
+            s = _train_run(n, fsdp, recipe, args, data_dir)
+            row = dict(model="1b", recipe=recipe, gpus=n, mode="fsdp2" if fsdp else "ddp" if n > 1 else "single")
+            if "error" in s:
+                print(s["error"])
+                rows.append(dict(row, error=s["error"]))
+                continue
+            train_loss = s["loss_curve"]["train_loss"]
+            rows.append(dict(row, tokens_per_s_per_gpu=round(s["tokens_per_s"] / n),
+                             peak_gib_per_gpu=round(s["peak_mem_gib"], 2), wall_s=round(s["wall_s"]),
+                             first_loss=round(train_loss[0], 4), last_loss=round(train_loss[-1], 4)))
+    print_table([r for r in rows if "tokens_per_s_per_gpu" in r],
+                ["model", "recipe", "gpus", "mode", "tokens_per_s_per_gpu", "peak_gib_per_gpu", "first_loss", "last_loss", "wall_s"])
+    return rows
+
+
+SECTIONS_MULTI_GPU = {"fsdp": section_fsdp}
 
 
 def compare_runs(paths, out_png):
@@ -556,7 +867,7 @@ def compare_runs(paths, out_png):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {list(SECTIONS)}")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {list(SECTIONS)}, or fsdp")
     ap.add_argument("--out", default=None, help="folder for the JSON (default results/<gpu-name-slug>)")
     ap.add_argument("--tokens", type=int, default=16384, help="linear: tokens (rows of X)")
     ap.add_argument("--model", default="1b", help="step: a model.SIZES name")
@@ -566,20 +877,27 @@ def main():
     ap.add_argument("--step-variants", default=",".join(STEP_VARIANTS),
                     help="step: comma list (model.RECIPES names, fp8-rowwise, float8-tensorwise, float8-rowwise); bf16 first")
     ap.add_argument("--step-eager", action="store_true", help="step: also time every variant eager (second table)")
+    ap.add_argument("--gpus", default="2", help="fsdp: comma list of GPU counts (torchrun --nproc_per_node)")
+    ap.add_argument("--fsdp-iters", type=int, default=20, help="fsdp: train.py --max_iters")
+    ap.add_argument("--fsdp-recipe", default="quartet", help="fsdp: comma list of train.py recipes")
+    ap.add_argument("--fsdp-compile", default="True", choices=("True", "False"), help="fsdp: train.py --compile")
+    ap.add_argument("--ns-sizes", default="30m,1b", help="ns: model.SIZES names whose block shapes to test")
+    ap.add_argument("--momentum", nargs="*", default=[], metavar="CKPT",
+                    help="ns: train.py checkpoints of Muon/ROOT runs whose momentum matrices to test")
     ap.add_argument("--compare", nargs="+", default=None, metavar="SUMMARY_JSON",
                     help="no benchmark: plot these train.py summaries into one PNG (--out names it)")
     args = ap.parse_args()
     if args.compare:
         return compare_runs(args.compare, args.out or "loss_curves.png")
-    if not torch.cuda.is_available():
-        raise SystemExit("bench.py needs a CUDA device")
+    if not torch.cuda.is_available() and set(args.sections.split(",")) - CPU_SECTIONS:
+        raise SystemExit(f"bench.py needs a CUDA device (without one, only --sections {','.join(CPU_SECTIONS)})")
     out = args.out or os.path.join("results", gpu_slug())
     os.makedirs(out, exist_ok=True)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, backends=fp4.backends(),
+    meta = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__, backends=fp4.backends(),
                 time=time.strftime("%Y-%m-%d %H:%M:%S"))
     for name in args.sections.split(","):
         print(f"\n== {name} ==")
-        rows = SECTIONS[name](args)
+        rows = {**SECTIONS, **SECTIONS_MULTI_GPU}[name](args)
         meta["kernel_compiler"] = dict(kernels.COMPILER)
         with open(os.path.join(out, f"bench_{name}.json"), "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)

@@ -793,6 +793,10 @@ RECIPES = {
                   wgrad_x=dict(rounding="rn", hadamard=16), rotate_back=0),
     "quartet2": dict(fmt="nvfp4", x=dict(scale_rule="four_over_six"), w=dict(scale_rule="four_over_six"),
                      dgrad_e=_EDEN, dgrad_w=_EDEN, wgrad_e=_EDEN, wgrad_x=_EDEN, rotate_back=0),
+    # Full-Stack FP4 (SPEC 8.4): these FP4 GEMMs run on R = W - L (see "LoRA-SVD" below). The
+    # backward is quartet2's: lower gradient error than nvfp4's treatment, measured (README)
+    "fullstack": dict(fmt="nvfp4", x=dict(scale_rule="four_over_six"), w=dict(scale_rule="four_over_six"),
+                      dgrad_e=_EDEN, dgrad_w=_EDEN, wgrad_e=_EDEN, wgrad_x=_EDEN, rotate_back=0),
 }
 
 
@@ -951,14 +955,17 @@ class _LinearFn(torch.autograd.Function):
 
 class FP4Linear(torch.nn.Linear):
     """nn.Linear whose forward, input-gradient and weight-gradient GEMMs run on FP4 operands
-    under `recipe` (RECIPES). Same parameters and state_dict as nn.Linear."""
+    under `recipe` (RECIPES). Same parameters and state_dict as nn.Linear; fullstack adds L's two
+    BF16 factors as buffers (lora_rank: see "LoRA-SVD projections" below)."""
 
-    def __init__(self, in_features, out_features, bias=False, recipe="quartet", device=None, dtype=None):
+    def __init__(self, in_features, out_features, bias=False, recipe="quartet", device=None, dtype=None,
+                 lora_rank=0):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         mult = _dim_multiple(recipe)
         if in_features % mult or out_features % mult:
             raise ValueError(f"recipe {recipe!r} needs in and out features divisible by {mult}, got {in_features}->{out_features}")
         self.recipe = recipe
+        _init_lora(self, lora_rank, device)  # fullstack: the BF16 rank-r part (SPEC 8.4)
 
     def forward(self, x):
         if self.recipe == "bf16":
@@ -968,20 +975,24 @@ class FP4Linear(torch.nn.Linear):
             raise ValueError(f"recipe {self.recipe!r} needs the token count (batch * seq = {x2.shape[0]}) divisible by {_dim_multiple(self.recipe)}")
         out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         x2 = x2.to(out_dtype) if x2.dtype != out_dtype else x2
+        w = _lora_residual(self) if self.lora_rank else self.weight  # fullstack: R = W - L
         if torch.compiler.is_compiling():
-            y = _linear_fwd(x2, self.weight, self.recipe, out_dtype)[0]
+            y = _linear_fwd(x2, w, self.recipe, out_dtype)[0]
         else:
-            y = _LinearFn.apply(x2, self.weight, self.recipe, out_dtype)
+            y = _LinearFn.apply(x2, w, self.recipe, out_dtype)
+        if self.lora_rank:
+            y = y + _lora_lowrank(self, x2)
         y = y.view(*x.shape[:-1], self.out_features)
         return y + self.bias.to(y.dtype) if self.bias is not None else y
 
     def extra_repr(self):
-        return super().extra_repr() + f", recipe={self.recipe}"
+        return super().extra_repr() + f", recipe={self.recipe}" + (f", lora_rank={self.lora_rank}" if self.lora_rank else "")
 
 
-def to_fp4(model, recipe="quartet", skip=None):
+def to_fp4(model, recipe="quartet", skip=None, lora_rank=0):
     """Swap every nn.Linear in `model` for an FP4Linear (same Parameters), in place. skip is a
-    callable skip(name, module) -> bool, or an iterable of name substrings to leave alone."""
+    callable skip(name, module) -> bool, or an iterable of name substrings to leave alone.
+    lora_rank: FP4Linear's (fullstack only); L starts at 0: call refit_lora(model) to fit it."""
     _recipe(recipe)
     if skip is not None and not callable(skip):
         names = tuple(skip)
@@ -992,10 +1003,126 @@ def to_fp4(model, recipe="quartet", skip=None):
             if type(child) is not torch.nn.Linear or (skip and skip(full, child)):
                 continue
             new = FP4Linear(child.in_features, child.out_features, child.bias is not None, recipe,
-                            device="meta")
+                            device="meta", lora_rank=lora_rank)
             new.weight, new.bias = child.weight, child.bias
+            _lora_place(new)
             setattr(mod, child_name, new)
     return model
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA-SVD projections and the fullstack recipe (SPEC 8.4)
+#
+# W, the FP32 master (the Parameter), is split as W = L + R. L = U_r S_r V_r^T, the top-r part of
+# W from a randomized SVD, lives in two BF16 buffers, lora_us = U_r S_r (N, r) and lora_v = V_r
+# (K, r), fixed between refits (refit_lora) and saved in the state_dict. R = W - L is recomputed
+# in FP32 every step and goes through the recipe's FP4 linear (four_over_six NVFP4). So
+#   forward  y  = (x V_r)(U_r S_r)^T   [BF16]  +  Q(x) Q(R)^T             [NVFP4]
+#   dgrad    dX = (E U_r S_r) V_r^T    [BF16]  +  Q(E) Q(R)               [NVFP4]
+#   wgrad    dW = dR = Q(E)^T Q(X)                                        [NVFP4]
+# The BF16 part is plain torch ops (autograd differentiates it; the buffers get no gradient), and
+# dR/dW = I, so the recipe's FP4 weight gradient is W's gradient.
+
+LORA_OVERSAMPLE = 16  # p: Halko et al. suggest 5-10; a refit is rare, so spend a little more
+LORA_POWER_ITERS = 4  # q: subspace iterations (A A^T)^q A Omega, for slowly decaying spectra
+LORA_FRACTION = 1 / 16  # default rank: this fraction of min(in, out), in multiples of 16 (README)
+
+
+def lora_rank_for(in_features, out_features):
+    """The default rank: min(in, out) * LORA_FRACTION rounded up to a multiple of 16 (BF16 GEMM
+    tiles), at least 16."""
+    return 16 * max(1, math.ceil(min(in_features, out_features) * LORA_FRACTION / 16))
+
+
+def randomized_svd(a, rank, oversample=LORA_OVERSAMPLE, power_iters=LORA_POWER_ITERS, seed=0):
+    """The top-`rank` singular triplets of a (m, n): U (m, r), S (r,), V (n, r), FP32, by
+    randomized subspace iteration and a small exact SVD (Halko, Martinsson, Tropp 2011, SIAM
+    Review 53(2), Algorithms 4.4 and 5.1). a ~= U diag(S) V^T."""
+    if a.ndim != 2:
+        raise ValueError(f"randomized_svd takes a 2-D tensor, got shape {tuple(a.shape)}")
+    if not 0 < rank <= min(a.shape):
+        raise ValueError(f"rank must be in 1..min{tuple(a.shape)} = {min(a.shape)}, got {rank}")
+    if oversample < 0 or power_iters < 0:
+        raise ValueError(f"oversample and power_iters must be >= 0, got {oversample} and {power_iters}")
+    a = a.detach().float()
+    q = _range_finder(a, min(rank + oversample, min(a.shape)), power_iters, seed)  # (m, l)
+    ub, s, vh = torch.linalg.svd(q.t() @ a, full_matrices=False)  # B = Q^T A (l, n) = Ub S Vh
+    return q @ ub[:, :rank], s[:rank], vh[:rank].t()
+
+
+def _range_finder(a, l, power_iters, seed):
+    """Q (m, l) with orthonormal columns, range(Q) ~ the top-l left singular space of a: QR of
+    A Omega (Omega (n, l) Gaussian, drawn on the CPU from seed: the same on every device), then
+    power_iters rounds of A^T, A with a QR after each product (Halko Alg. 4.4: without the
+    re-orthonormalization FP32 loses every direction below sigma_1 * eps^(1/(2q+1)))."""
+    omega = torch.randn(a.shape[1], l, generator=torch.Generator().manual_seed(seed))
+    q = torch.linalg.qr(a @ omega.to(a.device)).Q
+    for _ in range(power_iters):
+        q = torch.linalg.qr(a.t() @ q).Q  # (n, l)
+        q = torch.linalg.qr(a @ q).Q  # (m, l)
+    return q
+
+
+def _init_lora(layer, lora_rank, device):
+    """FP4Linear's LoRA state: layer.lora_rank (0: none) and, for r > 0, the two BF16 buffers,
+    zero (L = 0) until refit_lora fits them. lora_rank 0 asks for lora_rank_for(in, out), -1 for
+    no low-rank part (the fullstack ablation)."""
+    n, k = layer.out_features, layer.in_features
+    if not isinstance(lora_rank, int) or isinstance(lora_rank, bool):
+        raise TypeError(f"lora_rank must be an int, got {type(lora_rank).__name__}")
+    if layer.recipe != "fullstack":
+        if lora_rank:
+            raise ValueError(f"lora_rank is a parameter of recipe 'fullstack', not {layer.recipe!r}")
+        layer.lora_rank = 0
+        return
+    r = lora_rank_for(k, n) if lora_rank == 0 else max(lora_rank, 0)
+    if lora_rank < -1 or r > min(n, k):
+        raise ValueError(f"lora_rank must be -1 (none), 0 (default) or 1..min(in, out) = {min(n, k)} "
+                         f"for a {k}->{n} layer, got {lora_rank}")
+    layer.lora_rank = r
+    if r:
+        layer.register_buffer("lora_us", torch.zeros(n, r, device=device, dtype=torch.bfloat16))  # U_r S_r
+        layer.register_buffer("lora_v", torch.zeros(k, r, device=device, dtype=torch.bfloat16))  # V_r
+
+
+def _lora_place(layer):
+    """Give a layer built on the meta device (to_fp4) real zero buffers on its weight's device."""
+    dev = layer.weight.device
+    for name in ("lora_us", "lora_v"):
+        buf = getattr(layer, name, None)
+        if buf is not None and buf.device != dev:
+            setattr(layer, name, torch.zeros(buf.shape, device=dev, dtype=torch.bfloat16))
+
+
+def _lora_residual(layer):
+    """R = W - U_r S_r V_r^T in FP32 (N, K); its gradient is W's. Autocast off: L's product
+    must not be rounded to BF16 before the subtraction. (TF32, if allowed, changes only the
+    summation order: BF16 factors are exact in TF32, their products exact in FP32.)"""
+    with torch.autocast(layer.weight.device.type, enabled=False):
+        low = layer.lora_us.float() @ layer.lora_v.float().t()  # (N, r) @ (r, K)
+        return layer.weight.float() - low
+
+
+def _lora_lowrank(layer, x2):
+    """(x V_r)(U_r S_r)^T in BF16 for x2 (M, K): (M, K) @ (K, r) -> (M, r) @ (r, N) -> (M, N)."""
+    xr = x2.to(torch.bfloat16) @ layer.lora_v.to(torch.bfloat16)
+    return xr @ layer.lora_us.to(torch.bfloat16).t()
+
+
+@torch.no_grad()
+def refit_lora(model, seed=0):
+    """Refit L = U_r S_r V_r^T of every fullstack FP4Linear in `model` (a module, or an
+    FP4Linear) from its current weight, by randomized_svd (seed + the layer's index). W is not
+    changed: R = W - L absorbs the difference from the next forward on. Returns the number of
+    layers refitted."""
+    layers = [m for m in model.modules() if isinstance(m, FP4Linear) and m.lora_rank]
+    for i, layer in enumerate(layers):
+        if not torch.isfinite(layer.weight).all():
+            raise ValueError(f"refit_lora: layer {i} ({layer.extra_repr()}) has a non-finite weight")
+        u, s, v = randomized_svd(layer.weight, layer.lora_rank, seed=seed + i)
+        layer.lora_us.copy_(u * s)  # (N, r) * (r,): the singular values go with U
+        layer.lora_v.copy_(v)
+    return len(layers)
 
 
 def backends(device=None):

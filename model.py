@@ -5,7 +5,8 @@ grouped-query attention, SwiGLU MLP, untied lm_head.
 
 The four linears of a block (qkv, o, gate_up, down) are plain nn.Linear here;
 apply_recipe() swaps them for fp4.FP4Linear. Embeddings, norms, RoPE, attention's
-batched matmuls and the lm_head stay in high precision (SPEC.md 5).
+batched matmuls and the lm_head stay in high precision (SPEC.md 5), unless
+attention='nvfp4' (attention.py: Q K^T and the dS products on NVFP4 operands, SPEC.md 8.3).
 """
 
 import contextlib
@@ -17,7 +18,10 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-RECIPES = ('bf16', 'quartet', 'nvfp4', 'quartet2')
+from attention import attention
+
+RECIPES = ('bf16', 'quartet', 'nvfp4', 'quartet2', 'fullstack')
+ATTENTIONS = ('bf16', 'nvfp4')  # attention.py's fmt None / 'nvfp4'; combines with any recipe
 
 # -----------------------------------------------------------------------------
 # config and named sizes
@@ -33,6 +37,9 @@ class GPTConfig:
     ffn_hidden: int = 0       # 0: 8d/3 rounded up to a multiple of 256 (Quartet's rule)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    lora_rank: int = 0        # fullstack: rank of each block linear's BF16 part (SPEC 8.4);
+                              # 0: fp4.lora_rank_for's rule (n_embd / 16), -1: none (ablation)
+    attention: str = 'bf16'   # one of ATTENTIONS
 
     def __post_init__(self):
         if self.n_kv_head == 0:
@@ -42,6 +49,10 @@ class GPTConfig:
         assert self.n_embd % self.n_head == 0, 'n_embd must be divisible by n_head'
         assert self.n_head % self.n_kv_head == 0, 'n_head must be a multiple of n_kv_head'
         assert (self.n_embd // self.n_head) % 2 == 0, 'RoPE needs an even head size'
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTIONS)}")
+        if self.attention == 'nvfp4' and (self.n_embd // self.n_head) % 16:
+            raise ValueError(f"attention='nvfp4' needs a head size divisible by 16, got {self.n_embd // self.n_head}")
 
 # Quartet's shapes (SPEC.md 6): the name is the non-embedding parameter count.
 # All have head size 128, so every block linear is a multiple of 128 wide, which the
@@ -99,6 +110,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
         self.head_size = config.n_embd // config.n_head
+        self.fmt = None if config.attention == 'bf16' else config.attention
         # q, k and v in one fused linear: one bigger GEMM instead of three
         qkv_out = (self.n_head + 2 * self.n_kv_head) * self.head_size
         self.qkv = nn.Linear(config.n_embd, qkv_out, bias=False)
@@ -112,13 +124,12 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        mask = None
-        if cache is not None:  # generating: attend to the cached positions too
-            k, v = cache.update(self, k, v)  # (B, nkv, S, hs), S = cached + T
-            mask = causal_mask(T, k.size(2), x.device)
-        # flash/efficient attention; enable_gqa lets each kv head serve nh/nkv q heads
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=nkv != nh)
+        if cache is not None:  # generating: attend to the cached positions too. SDPA in BF16:
+            k, v = cache.update(self, k, v)  # (B, nkv, S, hs), S = cached + T; FP4 attention
+            mask = causal_mask(T, k.size(2), x.device)  # quantizes whole sequences (README)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nkv != nh)
+        else:  # SDPA (flash/cuDNN) or FP4 attention; each kv head serves nh/nkv q heads (GQA)
+            y = attention(q, k, v, causal=True, fmt=self.fmt)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.o(y)
 
@@ -318,6 +329,8 @@ def apply_recipe(model, recipe):
     blocks = fp4_blocks(model.config.n_layer, recipe)
     if blocks:
         import fp4  # only the FP4 recipes need it
+        # fullstack: L = 0 until fp4.refit_lora(model) (train.py refits at step 0)
+        lora = {'lora_rank': model.config.lora_rank} if recipe == 'fullstack' else {}
         for i in blocks:
-            fp4.to_fp4(model.transformer.h[i], recipe)
+            fp4.to_fp4(model.transformer.h[i], recipe, **lora)
     return model

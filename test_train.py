@@ -117,7 +117,7 @@ def test_apply_recipe_placement(recipe, monkeypatch):
         apply_recipe(m, 'fp3')
 
 @needs_fp4
-@pytest.mark.parametrize('recipe', ['quartet', 'nvfp4', 'quartet2'])
+@pytest.mark.parametrize('recipe', ['quartet', 'nvfp4', 'quartet2', 'fullstack'])
 def test_apply_recipe_real(recipe):
     m = GPT(config_for('tiny', vocab_size=256, block_size=16))
     before = {k: v.clone() for k, v in m.state_dict().items()}
@@ -204,6 +204,25 @@ def test_resume_is_bit_identical(corpus, tmp_path, recipe, accum, steps):
     assert b['steps'] == list(range(steps))
     assert a['train_loss'] == b['train_loss']  # exact float equality, not a tolerance
     assert a['val_loss'] == b['val_loss'] and a['val_steps'] == b['val_steps']
+
+@needs_fp4
+def test_resume_fullstack_carries_lora(corpus, tmp_path):
+    """fullstack: L's factors travel in the checkpoint (model.state_dict()), and a refit after the
+    resume point (step 3 of 4; the checkpoint is from step 2, L from the refit at 0) replays
+    exactly: the resumed run matches the uninterrupted one bit for bit."""
+    common = ['--recipe=fullstack', '--eval_interval=2', '--lr_decay_iters=4', '--lora_refit_interval=3']
+    full = run(corpus, tmp_path / 'full', '--max_iters=4', *common)
+    run(corpus, tmp_path / 'part', '--max_iters=2', *common)
+    ckpt = torch.load(tmp_path / 'part' / 'ckpt.pt', weights_only=False)
+    lora = {k: v for k, v in ckpt['model'].items() if k.endswith(('lora_us', 'lora_v'))}
+    cfg = ckpt['model_args']
+    assert cfg['lora_rank'] == 0 and len(lora) == 2 * 4 * cfg['n_layer']  # two factors, four linears a block
+    assert all(v.dtype == torch.bfloat16 and v.shape[1] == 16 and v.abs().sum() > 0 for v in lora.values())
+    resumed = run(corpus, tmp_path / 'part', '--max_iters=4', '--resume=True', *common)
+    a, b = full['loss_curve'], resumed['loss_curve']
+    assert a['train_loss'] == b['train_loss'] and a['val_loss'] == b['val_loss']
+    log = (tmp_path / 'full' / 'train.log').read_text()
+    assert 'step 0: LoRA-SVD refit of 12 linears' in log and 'step 3: LoRA-SVD refit of 12 linears' in log
 
 def file_hash(path):
     with open(path, 'rb') as f:

@@ -5,8 +5,10 @@ $ python train.py                          # prepares data/pycode if needed, tra
 $ python train.py --recipe=nvfp4 --max_iters=500
 $ python train.py config/quartet_30m.py --resume=True
 $ torchrun --standalone --nproc_per_node=8 train.py config/quartet_30m.py
+$ torchrun --standalone --nproc_per_node=8 train.py config/llama_1b.py --fsdp=True  # sharded
 
-Recipes (SPEC.md 5): bf16 (baseline), quartet (MXFP4), nvfp4 (NVIDIA), quartet2 (Quartet II).
+Recipes (SPEC.md 5): bf16 (baseline), quartet (MXFP4), nvfp4 (NVIDIA), quartet2 (Quartet II),
+fullstack (NVFP4 four-over-six + a BF16 LoRA-SVD part, SPEC.md 8.4).
 Writes to out_dir: train.log (config, versions, GPU, every step), ckpt.pt, loss.png,
 summary.json.
 """
@@ -33,7 +35,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
-from model import GPT, GPTConfig, RECIPES, SIZES, apply_recipe, config_for
+import optim
+from model import ATTENTIONS, GPT, GPTConfig, RECIPES, SIZES, apply_recipe, config_for
 
 # -----------------------------------------------------------------------------
 # config: every global here can be overridden by config/*.py and --key=value
@@ -51,7 +54,11 @@ data_dir = ''             # set to read the .bin files from elsewhere
 # model
 n_kv_head = 0             # 0: as many kv heads as query heads; fewer: GQA
 recipe = 'quartet'        # one of model.RECIPES
+lora_rank = 0             # fullstack: rank of the BF16 part; 0: the default rule, -1: none
+lora_refit_interval = 4000  # fullstack: refit L by randomized SVD every this many steps (and at 0)
+attention = 'bf16'        # one of model.ATTENTIONS: 'nvfp4' is FP4 attention (attention.py), any recipe
 # AdamW and the lr schedule (Quartet's: betas (0.9, 0.95), wd 0.1, clip 1, cosine, 10% warmup)
+optimizer = 'adamw'  # adamw | adamw_fp4 | muon | root | root_fp4 (optim.build)
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.95
@@ -63,6 +70,7 @@ min_lr_frac = 0.1         # cosine ends at learning_rate * min_lr_frac
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'bfloat16' if torch.cuda.is_available() else 'float32'  # autocast dtype
 compile = torch.cuda.is_available()
+fsdp = False              # torchrun: shard weights, grads and optimizer states (FSDP2), not DDP
 seed = 1337
 debug_nan_step = -1       # tests: make the loss NaN at this step
 # size, batch and length of the run: what `python train.py` does depends on the device
@@ -103,9 +111,13 @@ _resumed_step = None  # the step of the out_dir/ckpt.pt this run resumed from, s
 def check_config():
     if recipe not in RECIPES:
         raise configurator.ConfigError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+    if attention not in ATTENTIONS:
+        raise configurator.ConfigError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
     if model_size not in SIZES:
         raise configurator.ConfigError(f"unknown model_size {model_size!r}; "
                                        f"choose one of {', '.join(SIZES)}")
+    if optimizer not in optim.OPTIMIZERS:
+        raise configurator.ConfigError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(optim.OPTIMIZERS)}")
     if dtype not in ('float32', 'bfloat16'):
         raise configurator.ConfigError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     if keep_checkpoints < 1:
@@ -272,6 +284,12 @@ def build_model(model_args):
     model = GPT(GPTConfig(**model_args))
     return apply_recipe(model, recipe)  # block linears -> FP4Linear (not for bf16)
 
+def build_optimizer(model):
+    """optim.build: AdamW, or Muon/ROOT on the 2-D hidden weights and AdamW on the rest. One
+    learning_rate and schedule for both: the Muon family's update is scaled to AdamW's RMS
+    (optim.update_scale 'rms', README 'Muon and ROOT with FP4 Newton-Schulz')."""
+    return optim.build(model, optimizer, lr=learning_rate, weight_decay=weight_decay, betas=(beta1, beta2))
+
 @torch.no_grad()
 def estimate_loss(model, data, ctx, rank):
     """Mean loss over eval_iters fixed batches per split (the same batches every eval).
@@ -382,7 +400,7 @@ class CheckpointError(ValueError):
 
 RESUME_KEYS = ('optimizer', 'iter_num', 'rng', 'history')
 # what a resumed run keeps from its checkpoint: the recipe, the model's shape, the optimizer
-IDENTITY_KEYS = ('recipe', 'model_size', 'block_size', 'n_kv_head', 'optimizer')
+IDENTITY_KEYS = ('recipe', 'model_size', 'block_size', 'n_kv_head', 'optimizer', 'attention', 'lora_rank')
 
 def read_checkpoint(path):
     """torch.load, refusing a missing, unreadable (truncated, corrupt) or foreign file with a
@@ -468,17 +486,23 @@ def load_model_state(model, ckpt, path):
 def optimizer_class(optimizer):
     return f'{type(optimizer).__module__}.{type(optimizer).__qualname__}'
 
-def load_optimizer_state(optimizer, ckpt, path):
+def load_optimizer_state(model, optimizer, ckpt, path):
     """The optimizer state, refused if it belongs to another optimizer: torch's
     load_state_dict checks only the parameter counts, and a foreign state would then fail
-    (or worse, not fail) in the first step."""
+    (or worse, not fail) in the first step. One written by FSDP2 (keyed by name) is loaded by
+    name, each rank keeping its rows of every state (with or without FSDP now)."""
     saved, ours = ckpt.get('optimizer_class'), optimizer_class(optimizer)
     if saved is not None and saved != ours:
         raise SystemExit(f'{path} holds the state of a {saved} optimizer, but this run builds '
                          f'{ours}: resume with the optimizer it was trained with, or give a new '
                          f'--out_dir for a new run')
     try:
-        optimizer.load_state_dict(ckpt['optimizer'])
+        if ckpt['config'].get('fsdp', False):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+            set_optimizer_state_dict(model, _parts(optimizer), ckpt['optimizer'],
+                                     options=StateDictOptions(full_state_dict=True))
+        else:
+            optimizer.load_state_dict(ckpt['optimizer'])
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         raise SystemExit(f"{path}: its optimizer state does not fit this run's {ours} ({e}): "
                          f"resume with the optimizer it was trained with, or give a new --out_dir")
@@ -520,6 +544,73 @@ def stop_after_signal(raw_model, optimizer, run):
     name = signal.Signals(_stop_signal).name if _stop_signal else 'a stop signal on another rank'
     log(f"{name}: stopped after step {run['iter_num'] - 1}, checkpoint {checkpoint_path()}; "
         f"continue with --resume=True")
+
+# -----------------------------------------------------------------------------
+# FSDP2 (torch.distributed.fsdp.fully_shard): sharding, mixed precision, whole checkpoints
+
+def shard_model(model):
+    """fully_shard each block, then the root (wte, ln_f, lm_head), in place. Every parameter
+    becomes a DTensor holding this rank's rows (dim 0, torch.chunk's split); the optimizer,
+    built after this, keeps its states on those rows only. Before a block's forward FSDP2
+    all-gathers its weights into plain tensors, so FP4Linear quantizes whole weights as it does
+    without FSDP; after the block's backward the weight gradients are reduce-scattered.
+    Mixed precision replaces autocast here: with dtype='bfloat16' the weights are gathered
+    and used in BF16 (half the bytes of FP32), activations between blocks are BF16 too (under
+    autocast they stay FP32), and gradients are reduced in FP32; the sharded weights and the
+    optimizer stay FP32. With dtype='float32' nothing is cast.
+    Each rank initialised its own model (seeded seed + rank); rank 0's weights are broadcast
+    into every rank's shards, as DDP does at its start."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh(device.split(':')[0], (dist.get_world_size(),))
+    param_dtype = torch.bfloat16 if dtype == 'bfloat16' else None
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    whole = model.state_dict() if dist.get_rank() == 0 else {}
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True,
+                                                                broadcast_from_rank0=True))
+    return model
+
+def _whole():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it, on the CPU
+
+def full_state_dicts(model, optimizer):
+    """(model, optimizer) state dicts for ckpt.pt. With FSDP2 both are gathered from every
+    rank's shard (a collective: every rank calls this; ranks other than 0 get {}): the model's
+    is a plain state_dict, as without FSDP; the optimizer's is keyed by parameter name
+    (torch.distributed.checkpoint's format, one dict for all of optim.Optimizers' parts),
+    which any world size can load."""
+    if not fsdp:
+        return model.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    return (get_model_state_dict(model, options=_whole()),
+            get_optimizer_state_dict(model, _parts(optimizer), options=_whole()))
+
+def _parts(optimizer):
+    """The torch optimizers inside optim.build's result (optim.Optimizers), or the one given."""
+    return getattr(optimizer, 'parts', optimizer)
+
+def check_resume_fsdp(ckpt):
+    """An optimizer state written without FSDP (keyed by position) cannot be sharded."""
+    if fsdp and not ckpt['config'].get('fsdp', False):
+        raise configurator.ConfigError(f'{out_dir}/ckpt.pt was written with fsdp=False: '
+                                       'resume it with --fsdp=False')
+
+def on_whole_matrix(fn, t):
+    """fn (e.g. Newton-Schulz, SPEC 8.2) applied to the whole matrix of FSDP2's shard t, and this
+    rank's rows of the result, as a DTensor placed like t: every rank all-gathers t, runs fn
+    (redundantly, the same on every rank) and keeps its rows. A plain tensor: fn(t). For an
+    optimizer whose update mixes rows, which a shard alone cannot compute (README, FSDP2)."""
+    from torch.distributed.tensor import DTensor, Replicate
+    if not isinstance(t, DTensor):
+        return fn(t)
+    whole = DTensor.from_local(fn(t.full_tensor()), t.device_mesh, [Replicate()] * t.device_mesh.ndim,
+                               run_check=False)
+    return whole.redistribute(t.device_mesh, t.placements)  # Replicate -> Shard: no communication
 
 # -----------------------------------------------------------------------------
 # one optimizer step
@@ -580,7 +671,14 @@ def setup(argv):
     torch.manual_seed(seed + rank)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-    ctx = (nullcontext() if dtype == 'float32' else
+    if fsdp and not dist.is_initialized():
+        raise configurator.ConfigError('fsdp=True needs torchrun (a process group), e.g. '
+                                       'torchrun --standalone --nproc_per_node=2 train.py --fsdp=True')
+    if fsdp and optimizer in ('adamw_fp4', 'root_fp4'):  # their FP4 code takes plain tensors
+        raise configurator.ConfigError(f'fsdp=True does not run optimizer={optimizer!r} yet: its NVFP4 '
+                                       'states/Newton-Schulz need the wiring in README, FSDP2')
+    # FSDP2 casts the weights itself (MixedPrecisionPolicy, see shard_model): no autocast
+    ctx = (nullcontext() if dtype == 'float32' or fsdp else
            torch.autocast(device_type=device.split(':')[0], dtype=torch.bfloat16))
     return rank, world, ctx
 
@@ -600,16 +698,21 @@ def init_run(rank, data_meta):
     else:
         vocab = 128 * math.ceil(data_meta['vocab_size'] / 128)  # pad: GEMM-friendly
         model_args = asdict(config_for(model_size, vocab_size=vocab, block_size=block_size,
-                                       n_kv_head=n_kv_head))
+                                       n_kv_head=n_kv_head, lora_rank=lora_rank,
+                                       attention=attention))
     model = build_model(model_args)
     if ckpt:
-        load_model_state(model, ckpt, path)
-    model.to(device)
-    optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2))
+        check_resume_fsdp(ckpt)
+        load_model_state(model, ckpt, path)  # the whole model, on every rank, before sharding
+    if fsdp:
+        shard_model(model)  # moves each rank's shard to the device: no whole copy stays there
+    else:
+        model.to(device)
+    optimizer = build_optimizer(model)
     history = dict(steps=[], train_loss=[], val_steps=[], val_loss=[], eval_train_loss=[])
     iter_num = 0
     if ckpt:
-        load_optimizer_state(optimizer, ckpt, path)
+        load_optimizer_state(model, optimizer, ckpt, path)
         iter_num, history = ckpt['iter_num'], ckpt['history']
         if os.path.abspath(path) == os.path.abspath(checkpoint_path()):
             _resumed_step = iter_num  # kept as ckpt.<step>.pt when the next one replaces it
@@ -623,7 +726,7 @@ def finish(history, stats, model_args, model=None, meta=None):
     plot_losses(history, os.path.join(out_dir, 'loss.png'))
     summary = dict(val_loss=history['val_loss'][-1] if history['val_loss'] else None,
                    tokens_per_s=stats['tokens_per_s'], peak_mem_gib=peak_mem_gib(),
-                   recipe=recipe, model_size=model_size, model_args=model_args,
+                   recipe=recipe, optimizer=optimizer, model_size=model_size, model_args=model_args,
                    iters=max_iters, tokens=stats['tokens'], wall_s=stats['wall_s'],
                    device=torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu',
                    loss_curve=history)
@@ -683,9 +786,10 @@ def write_checkpoint(raw_model, optimizer, run):
     if world > 1:
         rngs = [None] * world  # every rank's RNG, so each resumes its own stream
         dist.all_gather_object(rngs, rng_states())
+    model_state, optimizer_state = full_state_dicts(raw_model, optimizer)  # every rank: FSDP2 gathers
     if rank == 0:
         # data position = the step: get_batch is a pure function of (seed, step)
-        save_checkpoint(dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
+        save_checkpoint(dict(model=model_state, optimizer=optimizer_state,
                              model_args=run['model_args'], recipe=recipe, iter_num=it,
                              config=run['config'], rng=rngs, history=run['history'],
                              data=dict(sampler='seed+step', seed=seed, step=it),
@@ -707,9 +811,9 @@ def main(argv=None):
             f"of the {len(data['train']):,}-token train split")
     raw_model, model_args, optimizer, iter_num, history = init_run(rank, meta)
     log(f"model {model_size} {model_args}: {raw_model.get_num_params() / 1e6:.2f}M non-embedding, "
-        f"{raw_model.get_num_params(False) / 1e6:.2f}M total parameters; recipe {recipe}")
+        f"{raw_model.get_num_params(False) / 1e6:.2f}M total parameters; recipe {recipe}, optimizer {config['optimizer']}")
     model = torch.compile(raw_model) if compile else raw_model
-    if world > 1:
+    if world > 1 and not fsdp:  # FSDP2 wrapped raw_model in place in init_run
         ids = [torch.cuda.current_device()] if device.startswith('cuda') else None
         model = DDP(model, device_ids=ids)
     run = dict(rank=rank, world=world, start_iter=iter_num, iter_num=iter_num, history=history,
@@ -733,6 +837,10 @@ def main(argv=None):
             lr = get_lr(iter_num, warmup, decay_iters)
             for group in optimizer.param_groups:
                 group['lr'] = lr
+            if recipe == 'fullstack' and lora_refit_interval > 0 and iter_num % lora_refit_interval == 0:
+                import fp4  # L = the top-r part of W, fixed until the next refit (SPEC.md 8.4)
+                n_refit = fp4.refit_lora(raw_model, seed=iter_num)
+                log(f'step {iter_num}: LoRA-SVD refit of {n_refit} linears')
             t0 = time.time()
             loss, norm = train_step(model, optimizer, data, iter_num, accum, rank, ctx)
             dt = time.time() - t0
