@@ -1381,3 +1381,175 @@ template __global__ void dequant<1>(const u8*, const u8*, const float*, u32, u32
 template __global__ void dequant<2>(const u8*, const u8*, const float*, u32, u32, int, void*);
 #endif
 #endif  // FP4_HOST_EMU
+
+// ---------------------------------------------------------------------------------------------
+// AdamW with NVFP4 states (SPEC 8.1): optim._adamw_nvfp4_kernel launches it, twice per parameter
+// tensor; its twin is optim.adamw_nvfp4_reference between optim.dequantize_state and
+// optim.quantize_state, bit for bit.
+//   adamw_nvfp4<H, RND, CLAMP, MEAN>  Dequantizes both states (codes * E4M3 scale * tensor scale,
+//       inverse Hadamard-H, + the per-block mean of sqrt(v), clamp >= 0, square), updates m and v
+//       in FP32 (one rounding an operation, optim's order), projects m onto |m| <= C sqrt(v)
+//       (CLAMP), steps the parameter, and re-quantizes: m and sqrt(v) - mean rotated by H, NVFP4
+//       absmax with rounding RND (fp4.quantize's quant_group_nv). The NVFP4 tensor scale needs the
+//       new states' amax first, so pass 1 recomputes the update and only max-reduces the two
+//       amaxes; pass 0 recomputes it again (same bits), writes the parameter, codes, scales,
+//       means and the two new tensor scales (g_out: the old ones are still being read).
+//       One thread holds E = min(H, 32) consecutive elements (16 without a Hadamard); H = 64 and
+//       128 span 2 and 4 lanes, whose butterfly stages and mean sums go through __shfl_xor_sync.
+#ifndef FP4_HOST_EMU
+
+template <int E>  // E dequantized elements of an NVFP4 state from element base on: (code * s) * g
+__device__ __forceinline__ void state_load(float (&x)[E], const u8* __restrict__ codes,
+                                           const u8* __restrict__ scales, float g, u64 base) {
+  u32 w[E / 8];
+  if constexpr (E == 16) {
+    const uint2 t = *reinterpret_cast<const uint2*>(codes + base / 2);
+    w[0] = t.x; w[1] = t.y;
+  } else {
+    const uint4 t = *reinterpret_cast<const uint4*>(codes + base / 2);
+    w[0] = t.x; w[1] = t.y; w[2] = t.z; w[3] = t.w;
+  }
+#pragma unroll
+  for (int b = 0; b < E / 16; b++) {
+    const float s = e4m3_dec(scales[base / 16 + b]);
+#pragma unroll
+    for (int i = 0; i < 16; i++)
+      x[16 * b + i] = __fmul_rn(__fmul_rn(e2m1_dec((w[2 * b + i / 8] >> (4 * (i % 8))) & 15u), s), g);
+  }
+}
+
+// fp4._fwht on an H-block spread over H / E lanes: strides below E in the thread, the others with
+// the lane whose index differs in that bit (the lower element of a pair keeps a + b), then 1/sqrt(H).
+template <int E, int H>
+__device__ __forceinline__ void state_hadamard(float (&x)[E], float hs) {
+#pragma unroll
+  for (int h = 1; h < (H < E ? H : E); h <<= 1) {
+#pragma unroll
+    for (int i = 0; i < E; i++) {
+      if (!(i & h)) {
+        const float a = x[i], b = x[i + h];
+        x[i] = __fadd_rn(a, b);
+        x[i + h] = __fsub_rn(a, b);
+      }
+    }
+  }
+#pragma unroll
+  for (int l = 1; l < H / E; l <<= 1) {
+    const bool upper = threadIdx.x & l;
+#pragma unroll
+    for (int i = 0; i < E; i++) {
+      const float y = __shfl_xor_sync(0xFFFFFFFFu, x[i], l);
+      x[i] = upper ? __fsub_rn(y, x[i]) : __fadd_rn(x[i], y);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < E; i++) x[i] = __fmul_rn(x[i], hs);
+}
+
+// The halving-tree sum of an H-block spread over H / E lanes (fp4._tree_sum), in every lane.
+template <int E, int H>
+__device__ __forceinline__ float state_block_sum(const float (&x)[E]) {
+  float t[E];
+#pragma unroll
+  for (int i = 0; i < E; i++) t[i] = x[i];
+#pragma unroll
+  for (int l = H / E / 2; l >= 1; l >>= 1) {
+#pragma unroll
+    for (int i = 0; i < E; i++) t[i] = __fadd_rn(t[i], __shfl_xor_sync(0xFFFFFFFFu, t[i], l));
+  }
+  return tree_sum<E>(t);
+}
+
+__device__ __forceinline__ float state_tensor_scale(u32 amax_bits) {  // fp4._tensor_scale
+  const float a = __uint_as_float(amax_bits);
+  return a > 0.0f ? __fdiv_rn(a, 2688.0f) : 1.0f;  // amax / (6 * 448)
+}
+
+template <int H, int RND, bool CLAMP, bool MEAN>
+__global__ void __launch_bounds__(256) adamw_nvfp4(
+    float* __restrict__ p, const float* __restrict__ grad, u32 n, u32 K,
+    u8* mc, u8* ms, const float* __restrict__ mg, u8* vc, u8* vs, const float* __restrict__ vg, float* vmean,
+    float b1, float omb1, float b2, float omb2, float clampc, float bc2s, float eps, float neg_step,
+    float decay, float hs, u32 seed_m, u32 key_m, u32 seed_v, u32 key_v, int pass, u32* amax, float* g_out) {
+  constexpr int E = H == 0 ? 16 : (H < 32 ? H : 32);
+  constexpr int HB = H > 0 ? H : 16;  // the mean's block (MEAN needs H > 0)
+  __shared__ float gsh[2];
+  if (pass == 0) {  // the new tensor scales, from pass 1's amaxes
+    if (threadIdx.x == 0) {
+      gsh[0] = state_tensor_scale(amax[0]);
+      gsh[1] = state_tensor_scale(amax[1]);
+      if (blockIdx.x == 0) { g_out[0] = gsh[0]; g_out[1] = gsh[1]; }
+    }
+    __syncthreads();
+  }
+  const u32 t = blockIdx.x * blockDim.x + threadIdx.x;
+  const bool valid = t < n;  // the others only feed their lanes' shuffles
+  const u64 base = (u64)(valid ? t : 0) * E;
+  float gr[E], m[E], v[E];
+  load_dense<0, E>(gr, grad, base);
+  state_load<E>(m, mc, ms, *mg, base);
+  state_load<E>(v, vc, vs, *vg, base);
+  const float mu_old = MEAN ? vmean[base / HB] : 0.0f;
+  if constexpr (H > 0) {
+    state_hadamard<E, H>(m, hs);
+    state_hadamard<E, H>(v, hs);
+  }
+#pragma unroll
+  for (int i = 0; i < E; i++) {
+    m[i] = __fadd_rn(__fmul_rn(m[i], b1), __fmul_rn(gr[i], omb1));
+    float s = MEAN ? __fadd_rn(v[i], mu_old) : v[i];
+    s = s < 0.0f ? 0.0f : s;  // NaN stays NaN, as torch's clamp
+    const float vn = __fadd_rn(__fmul_rn(__fmul_rn(s, s), b2), __fmul_rn(__fmul_rn(gr[i], gr[i]), omb2));
+    v[i] = __fsqrt_rn(vn);  // from here on v holds sqrt(v)
+    if (CLAMP) {
+      const float bd = __fmul_rn(v[i], clampc);
+      m[i] = m[i] > bd ? bd : (m[i] < -bd ? -bd : m[i]);
+    }
+  }
+  if (pass == 0 && valid) {
+    float x[E];
+    load_dense<0, E>(x, p, base);
+#pragma unroll
+    for (int i = 0; i < E; i++) {
+      const float u = __fdiv_rn(m[i], __fadd_rn(__fdiv_rn(v[i], bc2s), eps));
+      x[i] = __fadd_rn(__fmul_rn(x[i], decay), __fmul_rn(u, neg_step));
+    }
+    float4* dst = reinterpret_cast<float4*>(p + base);
+#pragma unroll
+    for (int i = 0; i < E / 4; i++) dst[i] = make_float4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3]);
+  }
+  float mu = 0.0f;
+  if constexpr (MEAN) {
+    mu = __fmul_rn(state_block_sum<E, HB>(v), 1.0f / HB);
+#pragma unroll
+    for (int i = 0; i < E; i++) v[i] = __fsub_rn(v[i], mu);
+  }
+  if constexpr (H > 0) {
+    state_hadamard<E, H>(m, hs);
+    state_hadamard<E, H>(v, hs);
+  }
+  if (!valid) return;  // (the shuffles above ordered every lane's read of the old mean before the write)
+  const u32 orow = (u32)(base / K), ocol = (u32)(base % K);
+  QParams pm = {};
+  pm.pass = pass; pm.codes = mc; pm.scales = ms; pm.g = gsh; pm.amax = amax; pm.Kout = K;
+  pm.seed = seed_m; pm.key0 = key_m;
+  quant_group_nv<E, RULE_ABSMAX, RND>(m, pm, orow, ocol);
+  QParams pv = pm;
+  pv.codes = vc; pv.scales = vs; pv.g = gsh + 1; pv.amax = amax + 1; pv.seed = seed_v; pv.key0 = key_v;
+  quant_group_nv<E, RULE_ABSMAX, RND>(v, pv, orow, ocol);
+  if (MEAN && pass == 0 && (threadIdx.x & (HB / E - 1)) == 0) vmean[base / HB] = mu;
+}
+
+#ifndef __CUDACC_RTC__  // for plain nvcc (CI's compile check); NVRTC instantiates what optim launches
+#define ADAMW_NVFP4_ARGS float*, const float*, u32, u32, u8*, u8*, const float*, u8*, u8*, const float*, float*, \
+  float, float, float, float, float, float, float, float, float, float, u32, u32, u32, u32, int, u32*, float*
+template __global__ void adamw_nvfp4<128, 1, true, true>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<128, 0, true, true>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<64, 1, true, true>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<32, 1, true, true>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<16, 1, true, true>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<0, 1, true, false>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<128, 1, false, true>(ADAMW_NVFP4_ARGS);
+#undef ADAMW_NVFP4_ARGS
+#endif
+#endif  // FP4_HOST_EMU
