@@ -1396,7 +1396,7 @@ template __global__ void dequant<2>(const u8*, const u8*, const float*, u32, u32
 //       the two new tensor scales (to g_out: the old ones are still being read).
 //       A thread holds E = min(H, 32) consecutive elements (16 without a Hadamard); H = 64 and 128
 //       span 2 and 4 lanes (lane q of the block), whose butterfly stages and mean sums go through
-//       shfl_xor. adamw_group is the per-thread math; it also builds as host C++ (FP4_HOST_EMU):
+//       shfl_xor_all. adamw_group is the per-thread math; it also builds as host C++ (FP4_HOST_EMU):
 //       test_optim.py::test_host_emulation_adamw checks it against the reference on the CPU.
 
 struct AdamArgs {
@@ -1430,6 +1430,14 @@ __device__ __forceinline__ void state_load(float (&x)[E], const u8* codes, const
   }
 }
 
+#ifndef FP4_HOST_EMU  // the host emulation exchanges whole arrays between its lane threads
+template <int E>  // y[i] = x[i] of the lane whose index differs by m
+__device__ __forceinline__ void shfl_xor_all(float (&y)[E], const float (&x)[E], int m) {
+#pragma unroll
+  for (int i = 0; i < E; i++) y[i] = shfl_xor(x[i], m);
+}
+#endif
+
 // fp4._fwht on an H-block spread over H / E lanes: strides below E in the thread, the others with
 // the lane whose index differs in that bit (the lower element of a pair keeps a + b), then 1/sqrt(H).
 template <int E, int H>
@@ -1448,11 +1456,10 @@ __device__ __forceinline__ void state_hadamard(float (&x)[E], float hs, u32 q) {
 #pragma unroll
   for (int l = 1; l < H / E; l <<= 1) {
     const bool upper = q & l;
+    float y[E];
+    shfl_xor_all<E>(y, x, l);
 #pragma unroll
-    for (int i = 0; i < E; i++) {
-      const float y = shfl_xor(x[i], l);
-      x[i] = upper ? __fsub_rn(y, x[i]) : __fadd_rn(x[i], y);
-    }
+    for (int i = 0; i < E; i++) x[i] = upper ? __fsub_rn(y[i], x[i]) : __fadd_rn(x[i], y[i]);
   }
 #pragma unroll
   for (int i = 0; i < E; i++) x[i] = __fmul_rn(x[i], hs);
@@ -1467,8 +1474,10 @@ __device__ __forceinline__ float state_block_sum(const float (&x)[E]) {
   for (int i = 0; i < E; i++) t[i] = x[i];
 #pragma unroll
   for (int l = H / E / 2; l >= 1; l >>= 1) {
+    float y[E];
+    shfl_xor_all<E>(y, t, l);
 #pragma unroll
-    for (int i = 0; i < E; i++) t[i] = __fadd_rn(t[i], shfl_xor(t[i], l));
+    for (int i = 0; i < E; i++) t[i] = __fadd_rn(t[i], y[i]);
   }
   return tree_sum<E>(t);
 }

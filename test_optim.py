@@ -290,6 +290,171 @@ def test_fused_kernel_matches_reference(hadamard, mean, rounding, clamp):
             assert bool(same.all()), f"step {step}, {name}: " + first_mismatches(x.cpu(), y.cpu())
 
 
+# Host emulation (CPU, g++) of the fused kernel's per-thread math (kernels.cu's adamw_group), with
+# test_kernels.py's intrinsic and warp-shuffle shims (4 host threads = the lanes of a 128-block):
+# one step from a given state, against the PyTorch twin bit for bit. It checks on every CI run
+# what the GPU test checks on a GPU, except the loads, the stores and the launch.
+EMU_ADAMW_SHUFFLE = r"""
+// the lanes' shuffles of whole arrays: one exchange through the quad barrier, not one per element
+static float aslot[4][32];
+template <int E> static void shfl_xor_all(float (&y)[E], const float (&x)[E], int m) {
+  for (int i = 0; i < E; i++) aslot[t_lane][i] = x[i];
+  barrier();
+  for (int i = 0; i < E; i++) y[i] = aslot[t_lane ^ m][i];
+  barrier();
+}
+"""
+EMU_ADAMW = r"""
+#include <string>
+template <class T> static std::vector<T> rd(const std::string& path, size_t n) {
+  std::vector<T> v(n);
+  FILE* f = fopen(path.c_str(), "rb");
+  if (!f || fread(v.data(), sizeof(T), n, f) != n) { fprintf(stderr, "short read %s\n", path.c_str()); exit(3); }
+  fclose(f);
+  return v;
+}
+template <class T> static void wr(const std::string& path, const std::vector<T>& v) {
+  FILE* f = fopen(path.c_str(), "wb"); fwrite(v.data(), sizeof(T), v.size(), f); fclose(f);
+}
+
+// pass 1 over every thread's group (each host lane max-reduces into its own amax), then pass 0.
+template <int H, int RND, bool CLAMP, bool MEAN>
+static void run(AdamArgs a, std::vector<float>& p, const std::vector<float>& g, float* gnew) {
+  constexpr int E = H == 0 ? 16 : (H < 32 ? H : 32);
+  constexpr int L = H > E ? H / E : 1;  // lanes of an H-block
+  const uint64_t n = p.size() / E;
+  u32 amax[4][2] = {};
+  for (int pass = 1; pass >= 0; pass--) {
+    a.pass = pass;
+    if (pass == 0) {
+      for (int k = 0; k < 2; k++)
+        gnew[k] = state_tensor_scale(std::max(std::max(amax[0][k], amax[1][k]), std::max(amax[2][k], amax[3][k])));
+      a.g_new = gnew;
+    }
+    auto lane = [&](int q4) {
+      t_lane = q4;
+      AdamArgs b = a;
+      b.amax = amax[q4];
+      for (uint64_t t0 = 0; t0 < n; t0 += (L > 1 ? 4 : 1)) {
+        const uint64_t t = t0 + (L > 1 ? q4 : 0);
+        const bool valid = t < n;
+        const uint64_t base = (valid ? t : 0) * E;
+        float gr[E], x[E];
+        for (int i = 0; i < E; i++) { gr[i] = g[base + i]; x[i] = p[base + i]; }
+        adamw_group<E, H, RND, CLAMP, MEAN>(gr, x, b, base, (u32)(t % L), valid);
+        if (pass == 0 && valid) for (int i = 0; i < E; i++) p[base + i] = x[i];
+      }
+    };
+    if (L > 1) {
+      std::vector<std::thread> th;
+      for (int q = 0; q < 4; q++) th.emplace_back(lane, q);
+      for (auto& t : th) t.join();
+    } else {
+      lane(0);
+    }
+  }
+}
+
+int main(int argc, char** argv) {
+  if (argc < 8) { fprintf(stderr, "usage: H rnd clamp mean n K dir\n"); return 2; }
+  const int H = atoi(argv[1]), rnd = atoi(argv[2]), clamp = atoi(argv[3]), mean = atoi(argv[4]);
+  const size_t n = strtoull(argv[5], 0, 10);
+  const std::string d = std::string(argv[7]) + "/";
+  AdamArgs a = {};
+  a.K = (u32)atoi(argv[6]);
+  auto p = rd<float>(d + "p", n), g = rd<float>(d + "g", n);
+  auto mc = rd<u8>(d + "mc", n / 2), ms = rd<u8>(d + "ms", n / 16), vc = rd<u8>(d + "vc", n / 2), vs = rd<u8>(d + "vs", n / 16);
+  auto mg = rd<float>(d + "mg", 1), vg = rd<float>(d + "vg", 1);
+  std::vector<float> vmean = mean ? rd<float>(d + "vmean", n / H) : std::vector<float>(1);
+  auto sc = rd<float>(d + "scalars", 10);
+  auto seeds = rd<u32>(d + "seeds", 4);
+  a.mc = mc.data(); a.ms = ms.data(); a.vc = vc.data(); a.vs = vs.data(); a.mg = mg.data(); a.vg = vg.data();
+  a.vmean = mean ? vmean.data() : nullptr;
+  a.b1 = sc[0]; a.omb1 = sc[1]; a.b2 = sc[2]; a.omb2 = sc[3]; a.clampc = sc[4]; a.bc2s = sc[5]; a.eps = sc[6];
+  a.neg_step = sc[7]; a.decay = sc[8]; a.hs = sc[9];
+  a.seed_m = seeds[0]; a.key_m = seeds[1]; a.seed_v = seeds[2]; a.key_v = seeds[3];
+  std::vector<float> gnew(2);
+#define RUN(H_, R_, C_, M_) if (H == H_ && rnd == R_ && clamp == C_ && mean == M_) run<H_, R_, C_, M_>(a, p, g, gnew.data());
+  RUN(128, 1, 1, 1) RUN(128, 0, 1, 1) RUN(64, 1, 1, 1) RUN(16, 1, 1, 1) RUN(0, 1, 1, 0) RUN(128, 1, 0, 0)
+  wr(d + "p.out", p); wr(d + "mc.out", mc); wr(d + "ms.out", ms); wr(d + "vc.out", vc); wr(d + "vs.out", vs);
+  wr(d + "vmean.out", vmean); wr(d + "gnew.out", gnew);
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def adamw_emu(tmp_path_factory):
+    import shutil
+    import subprocess
+    from test_kernels import EMU_CPP, KERNELS_CU
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not installed")
+    d = tmp_path_factory.mktemp("adamw_emu")
+    shims = EMU_CPP.split("#include KERNELS_CU_PATH")[0]
+    (d / "emu.cpp").write_text(shims + EMU_ADAMW_SHUFFLE + "#include KERNELS_CU_PATH\n" + EMU_ADAMW)
+    cmd = ["g++", "-O1", "-std=c++17", "-mfma", "-ffp-contract=off", "-frounding-math", "-pthread",
+           f'-DKERNELS_CU_PATH="{KERNELS_CU}"', "-o", str(d / "emu"), str(d / "emu.cpp")]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0 and "-mfma" in res.stderr:
+        pytest.skip("host compiler without FMA")
+    assert res.returncode == 0, res.stderr[-4000:]
+    return d / "emu"
+
+
+@pytest.mark.parametrize("hadamard,mean,rounding,clamp", [
+    (128, "block", "sr", True), (128, "block", "rn", True), (64, "block", "sr", True), (16, "block", "sr", True),
+    (0, "none", "sr", True), (128, "none", "sr", False)])
+def test_host_emulation_adamw(adamw_emu, tmp_path, hadamard, mean, rounding, clamp):
+    """Step 3 of a heavy-tailed run (with a NaN gradient), from the same state: the emulated kernel
+    math and the PyTorch twin agree on the parameter and every state byte."""
+    import subprocess
+    import numpy as np
+    shape = (40, 256)  # 40 x 256 / 32 = 320 threads: not a multiple of 4 host lanes for H 16
+    w = torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(2)))
+    grads = heavy_grads(shape, 3, seed=4)
+    grads[2, 5, 17] = float("nan")
+    opt = optim.AdamW([w], lr=1e-2, state="nvfp4", hadamard=hadamard, mean=mean, rounding=rounding,
+                      ratio_clamp=clamp, seed=9)
+    for g in grads[:2]:
+        w.grad = g.clone()
+        opt.step()
+    st = opt.state[w]
+    m, v = st["exp_avg"], st["exp_avg_sq"]
+    files = dict(p=w.detach(), g=grads[2], mc=m["codes"], ms=m["scales"], mg=m["tensor_scale"], vc=v["codes"],
+                 vs=v["scales"], vg=v["tensor_scale"])
+    if mean == "block":
+        files["vmean"] = v["mean"]
+    c = optim._nvfp4_scalars(opt.param_groups[0], 3)
+    files["scalars"] = torch.tensor([c[k] for k in ("b1", "omb1", "b2", "omb2", "clamp", "bc2_sqrt", "eps",
+                                                    "neg_step", "decay")] + [fp4._hadamard_scale(hadamard) if hadamard else 0.0])
+    seeds = optim._state_seeds(9, 3, 0)
+    files["seeds"] = torch.tensor([seeds[0], fp4.hash_key(seeds[0]), seeds[1], fp4.hash_key(seeds[1])],
+                                  dtype=torch.int64).to(torch.int32 if max(seeds) < 2**31 else torch.int64)
+    for name, t in files.items():
+        arr = t.detach().contiguous().numpy()
+        arr = arr.astype(np.uint32) if name == "seeds" else arr
+        arr.tofile(tmp_path / name)
+    res = subprocess.run([str(adamw_emu), str(hadamard), str(int(rounding == "sr")), str(int(clamp)),
+                          str(int(mean == "block")), str(w.numel()), str(shape[1]), str(tmp_path)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    w.grad = grads[2].clone()
+    opt.step()  # the twin
+    st = opt.state[w]
+    got = lambda name, dtype: torch.from_numpy(np.fromfile(tmp_path / f"{name}.out", dtype=dtype))  # noqa: E731
+    assert_same(got("p", np.float32).view(shape), w.detach())
+    for key, short in (("exp_avg", "m"), ("exp_avg_sq", "v")):
+        s = st[key]
+        assert_same(got(short + "c", np.uint8).view(s["codes"].shape), s["codes"])
+        assert_same(got(short + "s", np.uint8).view(s["scales"].shape), s["scales"])
+    gnew = got("gnew", np.float32)
+    assert_same(gnew[0], st["exp_avg"]["tensor_scale"])
+    assert_same(gnew[1], st["exp_avg_sq"]["tensor_scale"])
+    if mean == "block":
+        assert_same(got("vmean", np.float32).view(st["exp_avg_sq"]["mean"].shape), st["exp_avg_sq"]["mean"])
+
+
 # ---------------------------------------------------------------------------------------------
 # Newton-Schulz, Muon and ROOT
 
