@@ -1394,16 +1394,16 @@ template __global__ void dequant<2>(const u8*, const u8*, const float*, u32, u32
 //       the new states' amax first, so pass 1 recomputes the update and only max-reduces the two
 //       amaxes; pass 0 recomputes it (same bits) and writes the parameter, codes, scales, means and
 //       the two new tensor scales (to g_out: the old ones are still being read).
-//       A thread holds E = min(H, 32) consecutive elements (16 without a Hadamard); H = 64 and 128
-//       span 2 and 4 lanes (lane q of the block), whose butterfly stages and mean sums go through
-//       shfl_xor_all. adamw_group is the per-thread math; it also builds as host C++ (FP4_HOST_EMU):
+//       A thread holds E = 32 consecutive elements (16 for H = 0 and 16 without the mean); a
+//       128-block of the mean spans 4 lanes, an H-block H / E (lane q), whose butterfly stages and
+//       mean sums go through shfl_xor_all. adamw_group is the per-thread math; it also builds as host C++ (FP4_HOST_EMU):
 //       test_optim.py::test_host_emulation_adamw checks it against the reference on the CPU.
 
 struct AdamArgs {
   u32 K;                    // the parameter's last dim (rows of the states' (R, K) view)
   u8 *mc, *ms, *vc, *vs;    // m and sqrt(v) state codes (R, K/2) and scales (R, K/16), updated in place
   const float *mg, *vg;     // their old tensor scales
-  float* vmean;             // (R, K/H) means of sqrt(v), updated in place, or null (no mean)
+  float* vmean;             // (R, K/128) means of sqrt(v), updated in place, or null (no mean)
   const float* g_new;       // pass 0: the new tensor scales [m, v]
   u32* amax;                // pass 1: the new states' finite amax bits [m, v]
   float b1, omb1, b2, omb2, clampc, bc2s, eps, neg_step, decay, hs;  // optim._nvfp4_scalars, 1/sqrt(H)
@@ -1492,7 +1492,7 @@ __device__ __forceinline__ float state_tensor_scale(u32 amax_bits) {  // fp4._te
 template <int E, int H, int RND, bool CLAMP, bool MEAN>
 __device__ __forceinline__ void adamw_group(const float (&gr)[E], float (&x)[E], const AdamArgs& a, u64 base,
                                             u32 q, bool valid) {
-  constexpr int HB = H > 0 ? H : 16;  // the mean's block (MEAN needs H > 0)
+  constexpr int HB = 128;  // optim.MEAN_BLOCK
   float m[E], v[E];
   state_load<E>(m, a.mc, a.ms, *a.mg, base);
   state_load<E>(v, a.vc, a.vs, *a.vg, base);
@@ -1546,7 +1546,8 @@ __global__ void __launch_bounds__(256) adamw_nvfp4(
     u8* mc, u8* ms, const float* mg, u8* vc, u8* vs, const float* vg, float* vmean,
     float b1, float omb1, float b2, float omb2, float clampc, float bc2s, float eps, float neg_step,
     float decay, float hs, u32 seed_m, u32 key_m, u32 seed_v, u32 key_v, int pass, u32* amax, float* g_out) {
-  constexpr int E = H == 0 ? 16 : (H < 32 ? H : 32);
+  constexpr int E = MEAN || H >= 32 ? 32 : 16;
+  constexpr int LANES = MEAN ? 128 / E : (H > E ? H / E : 1);  // lanes of a mean or Hadamard block
   __shared__ float gsh[2];
   if (pass == 0) {  // the new tensor scales, from pass 1's amaxes
     if (threadIdx.x == 0) {
@@ -1564,7 +1565,7 @@ __global__ void __launch_bounds__(256) adamw_nvfp4(
   float gr[E], x[E];
   load_dense<0, E>(gr, grad, base);
   if (pass == 0) load_dense<0, E>(x, p, base);
-  adamw_group<E, H, RND, CLAMP, MEAN>(gr, x, a, base, threadIdx.x & ((H > E ? H / E : 1) - 1), valid);
+  adamw_group<E, H, RND, CLAMP, MEAN>(gr, x, a, base, threadIdx.x & (LANES - 1), valid);
   if (pass == 0 && valid) {
     float4* dst = reinterpret_cast<float4*>(p + base);
 #pragma unroll
@@ -1581,6 +1582,7 @@ template __global__ void adamw_nvfp4<64, 1, true, true>(ADAMW_NVFP4_ARGS);
 template __global__ void adamw_nvfp4<32, 1, true, true>(ADAMW_NVFP4_ARGS);
 template __global__ void adamw_nvfp4<16, 1, true, true>(ADAMW_NVFP4_ARGS);
 template __global__ void adamw_nvfp4<0, 1, true, false>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<0, 1, true, true>(ADAMW_NVFP4_ARGS);
 template __global__ void adamw_nvfp4<128, 1, false, true>(ADAMW_NVFP4_ARGS);
 #undef ADAMW_NVFP4_ARGS
 #endif

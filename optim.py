@@ -23,8 +23,8 @@ import kernels
 # The packed state is a plain dict (so torch.save / torch.load(weights_only=True) take it):
 #   format 'nvfp4', kind, shape (x's), hadamard n, rounding, mean_over (the mean's granularity);
 #   codes uint8 (R, K/2) and scales uint8 (R, K/16) of fp4.quantize's NVFP4 QTensor of the (R, K)
-#   view (K = x's last dim), tensor_scale FP32 0-d; 'sqrt' also holds mean, FP32: (R, K/n) per
-#   Hadamard block, (R, 1) per row or (1, 1) per tensor.
+#   view (K = x's last dim), tensor_scale FP32 0-d; 'sqrt' also holds mean, FP32: (R, K/128) per
+#   128-block, (R, 1) per row or (1, 1) per tensor (none: a zero (1, 1)).
 # Tensors that stay FP32 (quantizable() is False: fewer than 2 dims, under STATE_MIN_NUMEL
 # elements, last dim not divisible by the Hadamard size) are an FP32 tensor instead of a dict.
 #
@@ -32,21 +32,23 @@ import kernels
 # 'sqrt'   (v):  s = sqrt(v), mu = mean(s),      v' = (clamp(dequantize(q) H + mu, min=0))^2
 #                q = NVFP4((s - mu) H)
 # H is the blockwise Hadamard of fp4.hadamard (symmetric, H H = I up to FP32 rounding). The mean
-# per Hadamard block is a halving-tree sum (fp4._tree_sum) times 1/n, as a kernel adds it.
+# per 128-block is a halving-tree sum (fp4._tree_sum) times 1/128, as a kernel adds it.
 # Defaults decided by measurement (README "Optimizer states in FP4"; python bench.py --sections
 # states): stochastic rounding, Hadamard-128, mean per Hadamard block.
 
 STATE_HADAMARD = 128
 STATE_ROUNDING = "sr"
 STATE_MEAN = "block"
+MEAN_BLOCK = 128  # mean 'block': one FP32 mean of sqrt(v) per 128 elements (0.031 B/param)
 STATE_MIN_NUMEL = 4096  # smaller tensors (biases, norms, tiny layers) stay FP32: bytes negligible
 STATE_KINDS = ("signed", "sqrt")
 STATE_MEANS = ("block", "row", "tensor", "none")
 
 
-def quantizable(shape, hadamard=STATE_HADAMARD):
-    """Whether a state of this shape is stored in NVFP4 (else FP32)."""
-    n = max(hadamard, 16)
+def quantizable(shape, hadamard=STATE_HADAMARD, mean="none"):
+    """Whether a state of this shape is stored in NVFP4 (else FP32): its last dim must hold whole
+    NVFP4 blocks, Hadamard blocks and (mean 'block') mean blocks."""
+    n = max(hadamard, 16, MEAN_BLOCK if mean == "block" else 0)
     return len(shape) >= 2 and math.prod(shape) >= STATE_MIN_NUMEL and shape[-1] % n == 0
 
 
@@ -57,7 +59,7 @@ def quantize_state(x, kind="signed", seed=0, rounding=STATE_ROUNDING, hadamard=S
     sqrt(v) minus its mean. seed drives stochastic rounding (rounding='sr'): use a fresh one at
     every call (AdamW derives it from the step and the parameter)."""
     _check_state_args(x, kind, rounding, hadamard, mean)
-    if not quantizable(tuple(x.shape), hadamard):
+    if not quantizable(tuple(x.shape), hadamard, mean if kind == "sqrt" else "none"):
         return x.detach().float().clone()
     k = x.shape[-1]
     x2 = x.detach().float().reshape(-1, k)  # (R, K)
@@ -65,8 +67,8 @@ def quantize_state(x, kind="signed", seed=0, rounding=STATE_ROUNDING, hadamard=S
                   rounding=rounding, mean_over=mean if kind == "sqrt" else "none")
     if kind == "sqrt":
         x2 = sqrt_rn(x2)
-        mu = _state_mean(x2, mean, hadamard)
-        x2 = _sub_mean(x2, mu, hadamard)
+        mu = _state_mean(x2, mean)
+        x2 = _sub_mean(x2, mu)
         packed["mean"] = mu
     q = fp4.quantize(x2, "nvfp4", rounding=rounding, hadamard=hadamard, seed=seed)
     packed.update(codes=q.codes, scales=q.scales, tensor_scale=q.tensor_scale)
@@ -85,7 +87,7 @@ def dequantize_state(s):
     if n:
         x2 = fp4.hadamard(x2, n)  # H H = I: back to the state's own basis
     if s["kind"] == "sqrt":
-        x2 = _add_mean(x2, s["mean"], n).clamp_(min=0)  # a negative sqrt(v) would divide by eps
+        x2 = _add_mean(x2, s["mean"]).clamp_(min=0)  # a negative sqrt(v) would divide by eps
         x2 = x2 * x2
     return x2.view(shape)
 
@@ -118,15 +120,15 @@ def _check_state_args(x, kind, rounding, hadamard, mean):
         raise ValueError(f"state rounding must be 'rn' or 'sr', got {rounding!r}")
     if hadamard not in (0,) + fp4.HADAMARD_SIZES:
         raise ValueError(f"state hadamard must be 0 or one of {fp4.HADAMARD_SIZES}, got {hadamard!r}")
-    if kind == "sqrt" and (mean not in STATE_MEANS or (mean == "block" and not hadamard)):
-        raise ValueError(f"state mean must be one of {STATE_MEANS} ('block' needs a Hadamard size), got {mean!r}")
+    if kind == "sqrt" and mean not in STATE_MEANS:
+        raise ValueError(f"state mean must be one of {STATE_MEANS}, got {mean!r}")
 
 
-def _state_mean(s, mean, n):
-    """Mean of sqrt(v) (R, K): per n-block (R, K/n) as a halving-tree sum, per row (R, 1), per
-    tensor (1, 1), or none (a zero (1, 1))."""
+def _state_mean(s, mean):
+    """Mean of sqrt(v) (R, K): per MEAN_BLOCK elements (R, K/128) as a halving-tree sum, per row
+    (R, 1), per tensor (1, 1), or none (a zero (1, 1))."""
     if mean == "block":
-        return fp4._tree_sum(s.view(s.shape[0], -1, n)) * (1.0 / n)
+        return fp4._tree_sum(s.view(s.shape[0], -1, MEAN_BLOCK)) * (1.0 / MEAN_BLOCK)
     if mean == "row":
         return s.mean(-1, keepdim=True)
     if mean == "tensor":
@@ -134,15 +136,15 @@ def _state_mean(s, mean, n):
     return s.new_zeros(1, 1)
 
 
-def _sub_mean(s, mu, n):
-    if mu.shape[-1] > 1:  # per block: (R, K/n, n) - (R, K/n, 1)
-        return (s.view(s.shape[0], -1, n) - mu.unsqueeze(-1)).view(s.shape)
+def _sub_mean(s, mu):
+    if mu.shape[-1] > 1:  # per block: (R, K/128, 128) - (R, K/128, 1)
+        return (s.view(s.shape[0], -1, MEAN_BLOCK) - mu.unsqueeze(-1)).view(s.shape)
     return s - mu
 
 
-def _add_mean(d, mu, n):
+def _add_mean(d, mu):
     if mu.shape[-1] > 1:
-        return (d.view(d.shape[0], -1, n) + mu.unsqueeze(-1)).view(d.shape)
+        return (d.view(d.shape[0], -1, MEAN_BLOCK) + mu.unsqueeze(-1)).view(d.shape)
     return d + mu
 
 
@@ -266,7 +268,7 @@ def _check_grad(p, gi):
 
 def _init_state(p, st, group):
     st["step"] = torch.tensor(0.0)  # a CPU FP32 tensor, as torch.optim.AdamW keeps it
-    if group["state"] == "nvfp4" and quantizable(tuple(p.shape), group["hadamard"]):
+    if group["state"] == "nvfp4" and quantizable(tuple(p.shape), group["hadamard"], group["mean"]):
         st["exp_avg"] = zero_state(p.shape, "signed", group, p.device)
         st["exp_avg_sq"] = zero_state(p.shape, "sqrt", group, p.device)
     else:
@@ -284,7 +286,7 @@ def zero_state(shape, kind, group, device):
              mean_over=mean if kind == "sqrt" else "none", codes=torch.zeros(r, k // 2, **u8),
              scales=torch.zeros(r, k // 16, **u8), tensor_scale=torch.ones((), device=device))
     if kind == "sqrt":
-        cols = {"block": k // max(n, 1), "row": 1, "tensor": 1, "none": 1}[mean]
+        cols = k // MEAN_BLOCK if mean == "block" else 1
         s["mean"] = torch.zeros(1 if mean in ("tensor", "none") else r, cols, device=device)
     return s
 
@@ -380,9 +382,9 @@ def _adamw_nvfp4_kernel(p, st, group, c, seeds):
     import numpy as np
     m, v = st["exp_avg"], st["exp_avg_sq"]
     h = group["hadamard"]
-    e = min(h, 32) if h else 16  # elements a thread
-    n = p.numel() // e
     mean = v["mean_over"] == "block"
+    e = 32 if mean or h >= 32 else 16  # elements a thread (kernels.cu's E)
+    n = p.numel() // e
     amax = torch.zeros(2, dtype=torch.int32, device=p.device)
     g_new = torch.empty(2, dtype=torch.float32, device=p.device)
     name = (f"adamw_nvfp4<{h}, {int(group['rounding'] == 'sr')}, {str(math.isfinite(c['clamp'])).lower()}, "

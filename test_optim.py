@@ -114,7 +114,7 @@ def test_state_nbytes_counts_the_packed_layout():
     m = optim.quantize_state(torch.randn(r, k), "signed")
     v = optim.quantize_state(torch.rand(r, k), "sqrt")
     assert optim.state_nbytes(m) == r * k // 2 + r * k // 16 + 4
-    mean_bytes = {"block": 4 * r * k // n, "row": 4 * r, "tensor": 4, "none": 4}[optim.STATE_MEAN]
+    mean_bytes = {"block": 4 * r * k // optim.MEAN_BLOCK, "row": 4 * r, "tensor": 4, "none": 4}[optim.STATE_MEAN]
     assert optim.state_nbytes(v) == r * k // 2 + r * k // 16 + 4 + mean_bytes
     assert optim.state_nbytes(torch.zeros(10)) == 40
 
@@ -131,8 +131,8 @@ def test_bad_inputs_raise_clear_errors():
         optim.AdamW([w], state="nvfp4", rounding="up")
     with pytest.raises(ValueError, match="state hadamard"):
         optim.AdamW([w], state="nvfp4", hadamard=48)
-    with pytest.raises(ValueError, match="'block' needs a Hadamard size"):
-        optim.AdamW([w], state="nvfp4", hadamard=0, mean="block")
+    with pytest.raises(ValueError, match="state mean must be one of"):
+        optim.AdamW([w], state="nvfp4", mean="column")
     with pytest.raises(TypeError, match="real floating-point parameters, got torch.int64"):
         optim.AdamW([torch.zeros(4, dtype=torch.int64)])
     opt = optim.AdamW([w])
@@ -237,7 +237,7 @@ def test_state_bytes_of_the_1b_parameter_set():
     want = 4 * len(params)
     for p in params:
         if optim.quantizable(tuple(p.shape)):
-            want += 2 * (p.numel() // 2 + p.numel() // 16 + 4) + 4 * p.numel() // h
+            want += 2 * (p.numel() // 2 + p.numel() // 16 + 4) + 4 * p.numel() // optim.MEAN_BLOCK
         else:
             want += 8 * p.numel()
     got = optim.state_bytes(fp4_opt)
@@ -260,7 +260,8 @@ def _state_tensors(st):
 @gpu
 @pytest.mark.parametrize("hadamard,mean,rounding,clamp", [
     (128, "block", "sr", True), (128, "block", "rn", True), (64, "block", "sr", True), (32, "block", "sr", True),
-    (16, "block", "sr", True), (0, "none", "sr", True), (128, "none", "sr", True), (128, "block", "sr", False)])
+    (16, "block", "sr", True), (0, "none", "sr", True), (0, "block", "sr", True), (128, "none", "sr", True),
+    (128, "block", "sr", False)])
 def test_fused_kernel_matches_reference(hadamard, mean, rounding, clamp):
     """The fused adamw_nvfp4 kernel against the PyTorch twin on the same GPU, bit for bit: the
     parameters and every state tensor after each of 4 steps, with heavy-tailed gradients, a tail
@@ -320,8 +321,8 @@ template <class T> static void wr(const std::string& path, const std::vector<T>&
 // pass 1 over every thread's group (each host lane max-reduces into its own amax), then pass 0.
 template <int H, int RND, bool CLAMP, bool MEAN>
 static void run(AdamArgs a, std::vector<float>& p, const std::vector<float>& g, float* gnew) {
-  constexpr int E = H == 0 ? 16 : (H < 32 ? H : 32);
-  constexpr int L = H > E ? H / E : 1;  // lanes of an H-block
+  constexpr int E = MEAN || H >= 32 ? 32 : 16;
+  constexpr int L = MEAN ? 128 / E : (H > E ? H / E : 1);  // lanes of a mean or Hadamard block
   const uint64_t n = p.size() / E;
   u32 amax[4][2] = {};
   for (int pass = 1; pass >= 0; pass--) {
@@ -365,7 +366,7 @@ int main(int argc, char** argv) {
   auto p = rd<float>(d + "p", n), g = rd<float>(d + "g", n);
   auto mc = rd<u8>(d + "mc", n / 2), ms = rd<u8>(d + "ms", n / 16), vc = rd<u8>(d + "vc", n / 2), vs = rd<u8>(d + "vs", n / 16);
   auto mg = rd<float>(d + "mg", 1), vg = rd<float>(d + "vg", 1);
-  std::vector<float> vmean = mean ? rd<float>(d + "vmean", n / H) : std::vector<float>(1);
+  std::vector<float> vmean = mean ? rd<float>(d + "vmean", n / 128) : std::vector<float>(1);
   auto sc = rd<float>(d + "scalars", 10);
   auto seeds = rd<u32>(d + "seeds", 4);
   a.mc = mc.data(); a.ms = ms.data(); a.vc = vc.data(); a.vs = vs.data(); a.mg = mg.data(); a.vg = vg.data();
@@ -375,7 +376,8 @@ int main(int argc, char** argv) {
   a.seed_m = seeds[0]; a.key_m = seeds[1]; a.seed_v = seeds[2]; a.key_v = seeds[3];
   std::vector<float> gnew(2);
 #define RUN(H_, R_, C_, M_) if (H == H_ && rnd == R_ && clamp == C_ && mean == M_) run<H_, R_, C_, M_>(a, p, g, gnew.data());
-  RUN(128, 1, 1, 1) RUN(128, 0, 1, 1) RUN(64, 1, 1, 1) RUN(16, 1, 1, 1) RUN(0, 1, 1, 0) RUN(128, 1, 0, 0)
+  RUN(128, 1, 1, 1) RUN(128, 0, 1, 1) RUN(64, 1, 1, 1) RUN(16, 1, 1, 1) RUN(0, 1, 1, 0) RUN(0, 1, 1, 1)
+  RUN(128, 1, 0, 0)
   wr(d + "p.out", p); wr(d + "mc.out", mc); wr(d + "ms.out", ms); wr(d + "vc.out", vc); wr(d + "vs.out", vs);
   wr(d + "vmean.out", vmean); wr(d + "gnew.out", gnew);
   return 0;
@@ -404,7 +406,7 @@ def adamw_emu(tmp_path_factory):
 
 @pytest.mark.parametrize("hadamard,mean,rounding,clamp", [
     (128, "block", "sr", True), (128, "block", "rn", True), (64, "block", "sr", True), (16, "block", "sr", True),
-    (0, "none", "sr", True), (128, "none", "sr", False)])
+    (0, "none", "sr", True), (0, "block", "sr", True), (128, "none", "sr", False)])
 def test_host_emulation_adamw(adamw_emu, tmp_path, hadamard, mean, rounding, clamp):
     """Step 3 of a heavy-tailed run (with a NaN gradient), from the same state: the emulated kernel
     math and the PyTorch twin agree on the parameter and every state byte."""
