@@ -1386,11 +1386,11 @@ template __global__ void dequant<2>(const u8*, const u8*, const float*, u32, u32
 // AdamW with NVFP4 states (SPEC 8.1): optim._adamw_nvfp4_kernel launches it, twice per parameter
 // tensor; its twin is optim.adamw_nvfp4_reference between optim.dequantize_state and
 // optim.quantize_state, bit for bit.
-//   adamw_nvfp4<H, RND, CLAMP, MEAN>  Dequantizes both states (code * E4M3 scale * tensor scale,
+//   adamw_nvfp4<H, RNDM, RNDV, CLAMP, MEAN>  Dequantizes both states (code * E4M3 scale * tensor scale,
 //       inverse Hadamard-H, + the per-block mean of sqrt(v), clamp >= 0, square), updates m and v
 //       in FP32 (one rounding an operation, optim's order), projects m onto |m| <= C sqrt(v)
 //       (CLAMP), steps the parameter, and re-quantizes m and sqrt(v) - mean, rotated by H, to NVFP4
-//       absmax with rounding RND (quant_group_nv, as fp4.quantize). The NVFP4 tensor scale needs
+//       absmax with roundings RNDM, RNDV (quant_group_nv, as fp4.quantize). The NVFP4 tensor scale needs
 //       the new states' amax first, so pass 1 recomputes the update and only max-reduces the two
 //       amaxes; pass 0 recomputes it (same bits) and writes the parameter, codes, scales, means and
 //       the two new tensor scales (to g_out: the old ones are still being read).
@@ -1489,7 +1489,7 @@ __device__ __forceinline__ float state_tensor_scale(u32 amax_bits) {  // fp4._te
 
 // One thread's E elements from element base on (lane q of its H-block): gr the gradient, x the
 // parameter (stepped in place in pass 0). valid = false: only feeds the lanes' shuffles.
-template <int E, int H, int RND, bool CLAMP, bool MEAN>
+template <int E, int H, int RNDM, int RNDV, bool CLAMP, bool MEAN>
 __device__ __forceinline__ void adamw_group(const float (&gr)[E], float (&x)[E], const AdamArgs& a, u64 base,
                                             u32 q, bool valid) {
   constexpr int HB = 128;  // optim.MEAN_BLOCK
@@ -1532,15 +1532,15 @@ __device__ __forceinline__ void adamw_group(const float (&gr)[E], float (&x)[E],
   QParams pm = {};
   pm.pass = a.pass; pm.codes = a.mc; pm.scales = a.ms; pm.g = a.g_new; pm.amax = a.amax; pm.Kout = a.K;
   pm.seed = a.seed_m; pm.key0 = a.key_m;
-  quant_group_nv<E, RULE_ABSMAX, RND>(m, pm, orow, ocol);
+  quant_group_nv<E, RULE_ABSMAX, RNDM>(m, pm, orow, ocol);
   QParams pv = pm;
   pv.codes = a.vc; pv.scales = a.vs; pv.g = a.g_new + 1; pv.amax = a.amax + 1; pv.seed = a.seed_v; pv.key0 = a.key_v;
-  quant_group_nv<E, RULE_ABSMAX, RND>(v, pv, orow, ocol);
+  quant_group_nv<E, RULE_ABSMAX, RNDV>(v, pv, orow, ocol);
   if (MEAN && a.pass == 0 && q == 0) a.vmean[base / HB] = mu;
 }
 
 #ifndef FP4_HOST_EMU
-template <int H, int RND, bool CLAMP, bool MEAN>
+template <int H, int RNDM, int RNDV, bool CLAMP, bool MEAN>
 __global__ void __launch_bounds__(256) adamw_nvfp4(
     float* __restrict__ p, const float* __restrict__ grad, u32 n, u32 K,
     u8* mc, u8* ms, const float* mg, u8* vc, u8* vs, const float* vg, float* vmean,
@@ -1565,7 +1565,7 @@ __global__ void __launch_bounds__(256) adamw_nvfp4(
   float gr[E], x[E];
   load_dense<0, E>(gr, grad, base);
   if (pass == 0) load_dense<0, E>(x, p, base);
-  adamw_group<E, H, RND, CLAMP, MEAN>(gr, x, a, base, threadIdx.x & (LANES - 1), valid);
+  adamw_group<E, H, RNDM, RNDV, CLAMP, MEAN>(gr, x, a, base, threadIdx.x & (LANES - 1), valid);
   if (pass == 0 && valid) {
     float4* dst = reinterpret_cast<float4*>(p + base);
 #pragma unroll
@@ -1576,14 +1576,17 @@ __global__ void __launch_bounds__(256) adamw_nvfp4(
 #ifndef __CUDACC_RTC__  // for plain nvcc (CI's compile check); NVRTC instantiates what optim launches
 #define ADAMW_NVFP4_ARGS float*, const float*, u32, u32, u8*, u8*, const float*, u8*, u8*, const float*, float*, \
   float, float, float, float, float, float, float, float, float, float, u32, u32, u32, u32, int, u32*, float*
-template __global__ void adamw_nvfp4<128, 1, true, true>(ADAMW_NVFP4_ARGS);
-template __global__ void adamw_nvfp4<128, 0, true, true>(ADAMW_NVFP4_ARGS);
-template __global__ void adamw_nvfp4<64, 1, true, true>(ADAMW_NVFP4_ARGS);
-template __global__ void adamw_nvfp4<32, 1, true, true>(ADAMW_NVFP4_ARGS);
-template __global__ void adamw_nvfp4<16, 1, true, true>(ADAMW_NVFP4_ARGS);
-template __global__ void adamw_nvfp4<0, 1, true, false>(ADAMW_NVFP4_ARGS);
-template __global__ void adamw_nvfp4<0, 1, true, true>(ADAMW_NVFP4_ARGS);
-template __global__ void adamw_nvfp4<128, 1, false, true>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<128, 1, 1, true, true>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<128, 0, 0, true, true>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<128, 1, 0, true, true>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<64, 1, 1, true, true>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<32, 1, 1, true, true>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<16, 1, 1, true, true>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<0, 1, 1, true, false>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<0, 0, 0, true, false>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<0, 1, 0, true, false>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<0, 1, 1, true, true>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<128, 1, 1, false, true>(ADAMW_NVFP4_ARGS);
 #undef ADAMW_NVFP4_ARGS
 #endif
 #endif  // FP4_HOST_EMU

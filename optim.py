@@ -171,8 +171,8 @@ STATE_FORMATS = ("fp32", "nvfp4")
 
 class AdamW(torch.optim.Optimizer):
     """AdamW with FP32 or NVFP4 states. Params: lr, betas, eps, weight_decay as torch's;
-    state 'fp32' | 'nvfp4'; the NVFP4 options rounding / hadamard / mean (quantize_state) and
-    ratio_clamp; seed: the base of the stochastic-rounding seeds (a pure function of seed, step,
+    state 'fp32' | 'nvfp4'; the NVFP4 options rounding ('rn', 'sr' or a pair: m's, v's), hadamard,
+    mean (quantize_state) and ratio_clamp; seed: the base of the stochastic-rounding seeds (a pure function of seed, step,
     parameter index and state: resumed runs repeat exactly); fused: None uses the fused GPU kernel
     where it applies, False never (the PyTorch reference), True requires it. Every option can be
     set per param group. Tensors quantizable() rejects keep FP32 states under 'nvfp4'."""
@@ -251,10 +251,21 @@ def _check_group(group, gi):
         raise ValueError(f"{where}: unknown state format {group['state']!r}; allowed: {STATE_FORMATS}")
     if group["fused"] not in (None, True, False):
         raise ValueError(f"{where}: fused must be None, True or False, got {group['fused']!r}")
-    _check_state_args(torch.zeros(1), "sqrt", group["rounding"], group["hadamard"], group["mean"])
+    for rounding in _roundings(group):
+        _check_state_args(torch.zeros(1), "sqrt", rounding, group["hadamard"], group["mean"])
     for i, p in enumerate(group["params"]):
         if not p.is_floating_point() or p.is_complex():
             raise TypeError(f"{where}, parameter {i}: AdamW needs real floating-point parameters, got {p.dtype}")
+
+
+def _roundings(group):
+    """(m's, v's) rounding: group['rounding'] is one of 'rn', 'sr' or a pair of them."""
+    r = group["rounding"]
+    if isinstance(r, str):
+        return r, r
+    if isinstance(r, (tuple, list)) and len(r) == 2:
+        return tuple(r)
+    raise ValueError(f"rounding must be 'rn', 'sr' or a pair (m, v) of them, got {r!r}")
 
 
 def _check_grad(p, gi):
@@ -282,7 +293,7 @@ def zero_state(shape, kind, group, device):
     k, n, mean = shape[-1], group["hadamard"], group["mean"]
     r = math.prod(shape) // k
     u8 = dict(dtype=torch.uint8, device=device)
-    s = dict(format="nvfp4", kind=kind, shape=tuple(shape), hadamard=n, rounding=group["rounding"],
+    s = dict(format="nvfp4", kind=kind, shape=tuple(shape), hadamard=n, rounding=_roundings(group)[kind == "sqrt"],
              mean_over=mean if kind == "sqrt" else "none", codes=torch.zeros(r, k // 2, **u8),
              scales=torch.zeros(r, k // 16, **u8), tensor_scale=torch.ones((), device=device))
     if kind == "sqrt":
@@ -343,9 +354,9 @@ def _adamw_nvfp4(p, st, group, seeds):
     if _use_kernel(p, group):
         return _adamw_nvfp4_kernel(p, st, group, c, seeds)
     m, v = adamw_nvfp4_reference(p, dequantize_state(st["exp_avg"]), dequantize_state(st["exp_avg_sq"]), c)
-    opts = dict(rounding=group["rounding"], hadamard=group["hadamard"])
-    st["exp_avg"] = quantize_state(m, "signed", seeds[0], **opts)
-    st["exp_avg_sq"] = quantize_state(v, "sqrt", seeds[1], mean=group["mean"], **opts)
+    rm, rv = _roundings(group)
+    st["exp_avg"] = quantize_state(m, "signed", seeds[0], rounding=rm, hadamard=group["hadamard"])
+    st["exp_avg_sq"] = quantize_state(v, "sqrt", seeds[1], rounding=rv, hadamard=group["hadamard"], mean=group["mean"])
 
 
 def adamw_nvfp4_reference(p, m, v, c):
@@ -387,7 +398,8 @@ def _adamw_nvfp4_kernel(p, st, group, c, seeds):
     n = p.numel() // e
     amax = torch.zeros(2, dtype=torch.int32, device=p.device)
     g_new = torch.empty(2, dtype=torch.float32, device=p.device)
-    name = (f"adamw_nvfp4<{h}, {int(group['rounding'] == 'sr')}, {str(math.isfinite(c['clamp'])).lower()}, "
+    rm, rv = _roundings(group)
+    name = (f"adamw_nvfp4<{h}, {int(rm == 'sr')}, {int(rv == 'sr')}, {str(math.isfinite(c['clamp'])).lower()}, "
             f"{str(mean).lower()}>")
     ptr = kernels._ptr
     scalars = [np.float32(c[k]) for k in ("b1", "omb1", "b2", "omb2", "clamp", "bc2_sqrt", "eps", "neg_step", "decay")]

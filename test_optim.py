@@ -259,8 +259,9 @@ def _state_tensors(st):
 
 @gpu
 @pytest.mark.parametrize("hadamard,mean,rounding,clamp", [
-    (128, "block", "sr", True), (128, "block", "rn", True), (64, "block", "sr", True), (32, "block", "sr", True),
-    (16, "block", "sr", True), (0, "none", "sr", True), (0, "block", "sr", True), (128, "none", "sr", True),
+    (128, "block", "sr", True), (128, "block", "rn", True), (128, "block", ("sr", "rn"), True),
+    (64, "block", "sr", True), (32, "block", "sr", True), (16, "block", "sr", True), (0, "none", "sr", True),
+    (0, "none", "rn", True), (0, "none", ("sr", "rn"), True), (0, "block", "sr", True), (128, "none", "sr", True),
     (128, "block", "sr", False)])
 def test_fused_kernel_matches_reference(hadamard, mean, rounding, clamp):
     """The fused adamw_nvfp4 kernel against the PyTorch twin on the same GPU, bit for bit: the
@@ -319,7 +320,7 @@ template <class T> static void wr(const std::string& path, const std::vector<T>&
 }
 
 // pass 1 over every thread's group (each host lane max-reduces into its own amax), then pass 0.
-template <int H, int RND, bool CLAMP, bool MEAN>
+template <int H, int RM, int RV, bool CLAMP, bool MEAN>
 static void run(AdamArgs a, std::vector<float>& p, const std::vector<float>& g, float* gnew) {
   constexpr int E = MEAN || H >= 32 ? 32 : 16;
   constexpr int L = MEAN ? 128 / E : (H > E ? H / E : 1);  // lanes of a mean or Hadamard block
@@ -342,7 +343,7 @@ static void run(AdamArgs a, std::vector<float>& p, const std::vector<float>& g, 
         const uint64_t base = (valid ? t : 0) * E;
         float gr[E], x[E];
         for (int i = 0; i < E; i++) { gr[i] = g[base + i]; x[i] = p[base + i]; }
-        adamw_group<E, H, RND, CLAMP, MEAN>(gr, x, b, base, (u32)(t % L), valid);
+        adamw_group<E, H, RM, RV, CLAMP, MEAN>(gr, x, b, base, (u32)(t % L), valid);
         if (pass == 0 && valid) for (int i = 0; i < E; i++) p[base + i] = x[i];
       }
     };
@@ -357,7 +358,7 @@ static void run(AdamArgs a, std::vector<float>& p, const std::vector<float>& g, 
 }
 
 int main(int argc, char** argv) {
-  if (argc < 8) { fprintf(stderr, "usage: H rnd clamp mean n K dir\n"); return 2; }
+  if (argc < 8) { fprintf(stderr, "usage: H rnd clamp mean n K dir (rnd: 2 bits, m's then v's)\n"); return 2; }
   const int H = atoi(argv[1]), rnd = atoi(argv[2]), clamp = atoi(argv[3]), mean = atoi(argv[4]);
   const size_t n = strtoull(argv[5], 0, 10);
   const std::string d = std::string(argv[7]) + "/";
@@ -375,9 +376,10 @@ int main(int argc, char** argv) {
   a.neg_step = sc[7]; a.decay = sc[8]; a.hs = sc[9];
   a.seed_m = seeds[0]; a.key_m = seeds[1]; a.seed_v = seeds[2]; a.key_v = seeds[3];
   std::vector<float> gnew(2);
-#define RUN(H_, R_, C_, M_) if (H == H_ && rnd == R_ && clamp == C_ && mean == M_) run<H_, R_, C_, M_>(a, p, g, gnew.data());
-  RUN(128, 1, 1, 1) RUN(128, 0, 1, 1) RUN(64, 1, 1, 1) RUN(16, 1, 1, 1) RUN(0, 1, 1, 0) RUN(0, 1, 1, 1)
-  RUN(128, 1, 0, 0)
+#define RUN(H_, RM, RV, C_, M_) \
+  if (H == H_ && rnd == 2 * RM + RV && clamp == C_ && mean == M_) run<H_, RM, RV, C_, M_>(a, p, g, gnew.data());
+  RUN(128, 1, 1, 1, 1) RUN(128, 0, 0, 1, 1) RUN(128, 1, 0, 1, 1) RUN(64, 1, 1, 1, 1) RUN(16, 1, 1, 1, 1)
+  RUN(0, 1, 1, 1, 0) RUN(0, 1, 0, 1, 0) RUN(0, 1, 1, 1, 1) RUN(128, 1, 1, 0, 0)
   wr(d + "p.out", p); wr(d + "mc.out", mc); wr(d + "ms.out", ms); wr(d + "vc.out", vc); wr(d + "vs.out", vs);
   wr(d + "vmean.out", vmean); wr(d + "gnew.out", gnew);
   return 0;
@@ -405,8 +407,9 @@ def adamw_emu(tmp_path_factory):
 
 
 @pytest.mark.parametrize("hadamard,mean,rounding,clamp", [
-    (128, "block", "sr", True), (128, "block", "rn", True), (64, "block", "sr", True), (16, "block", "sr", True),
-    (0, "none", "sr", True), (0, "block", "sr", True), (128, "none", "sr", False)])
+    (128, "block", "sr", True), (128, "block", "rn", True), (128, "block", ("sr", "rn"), True),
+    (64, "block", "sr", True), (16, "block", "sr", True), (0, "none", "sr", True), (0, "none", ("sr", "rn"), True),
+    (0, "block", "sr", True), (128, "none", "sr", False)])
 def test_host_emulation_adamw(adamw_emu, tmp_path, hadamard, mean, rounding, clamp):
     """Step 3 of a heavy-tailed run (with a NaN gradient), from the same state: the emulated kernel
     math and the PyTorch twin agree on the parameter and every state byte."""
@@ -437,7 +440,8 @@ def test_host_emulation_adamw(adamw_emu, tmp_path, hadamard, mean, rounding, cla
         arr = t.detach().contiguous().numpy()
         arr = arr.astype(np.uint32) if name == "seeds" else arr
         arr.tofile(tmp_path / name)
-    res = subprocess.run([str(adamw_emu), str(hadamard), str(int(rounding == "sr")), str(int(clamp)),
+    rm, rv = (rounding, rounding) if isinstance(rounding, str) else rounding
+    res = subprocess.run([str(adamw_emu), str(hadamard), str(2 * (rm == "sr") + (rv == "sr")), str(int(clamp)),
                           str(int(mean == "block")), str(w.numel()), str(shape[1]), str(tmp_path)],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
