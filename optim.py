@@ -36,9 +36,9 @@ import kernels
 # Defaults decided by measurement (README "Optimizer states in FP4"; python bench.py --sections
 # states): stochastic rounding, Hadamard-128, mean per Hadamard block.
 
-STATE_HADAMARD = 128
-STATE_ROUNDING = "sr"
-STATE_MEAN = "block"
+STATE_HADAMARD = 0
+STATE_ROUNDING = ("sr", "rn")  # (m, v)
+STATE_MEAN = "none"
 MEAN_BLOCK = 128  # mean 'block': one FP32 mean of sqrt(v) per 128 elements (0.031 B/param)
 STATE_MIN_NUMEL = 4096  # smaller tensors (biases, norms, tiny layers) stay FP32: bytes negligible
 STATE_KINDS = ("signed", "sqrt")
@@ -52,12 +52,14 @@ def quantizable(shape, hadamard=STATE_HADAMARD, mean="none"):
     return len(shape) >= 2 and math.prod(shape) >= STATE_MIN_NUMEL and shape[-1] % n == 0
 
 
-def quantize_state(x, kind="signed", seed=0, rounding=STATE_ROUNDING, hadamard=STATE_HADAMARD,
-                   mean=STATE_MEAN):
+def quantize_state(x, kind="signed", seed=0, rounding=None, hadamard=STATE_HADAMARD, mean=STATE_MEAN):
     """x (FP32 state, any shape) -> the packed state (a dict), or an FP32 copy if x stays FP32.
     kind 'signed': x itself (a first moment); 'sqrt': x is a second moment v >= 0, stored as
     sqrt(v) minus its mean. seed drives stochastic rounding (rounding='sr'): use a fresh one at
-    every call (AdamW derives it from the step and the parameter)."""
+    every call (AdamW derives it from the step and the parameter). rounding None: STATE_ROUNDING's
+    choice for the kind."""
+    if rounding is None and kind in STATE_KINDS:
+        rounding = STATE_ROUNDING[kind == "sqrt"]
     _check_state_args(x, kind, rounding, hadamard, mean)
     if not quantizable(tuple(x.shape), hadamard, mean if kind == "sqrt" else "none"):
         return x.detach().float().clone()

@@ -90,7 +90,7 @@ def test_state_layout_and_fp32_fallback():
     assert s["tensor_scale"].dtype == torch.float32 and s["tensor_scale"].shape == ()
     assert s["mean"].dtype == torch.float32
     assert optim.dequantize_state(s).shape == x.shape
-    for shape in [(4096,), (8, 256), (64, 80)]:  # 1-D; under STATE_MIN_NUMEL; 80 % 16 == 0 but not % H
+    for shape in [(4096,), (8, 256), (64, 72)]:  # 1-D; under STATE_MIN_NUMEL; 72 % 16 != 0
         small = torch.randn(shape)
         kept = optim.quantize_state(small, "signed")
         assert isinstance(kept, torch.Tensor) and kept.dtype == torch.float32 and torch.equal(kept, small)
@@ -167,6 +167,142 @@ def test_nan_gradient_propagates():
     assert torch.isnan(v[3]).any() and torch.isfinite(v[:3]).all()
 
 
+def test_eps_blowup_is_bounded():
+    """SPEC 8.1's danger: on heavy-tailed gradients with tiny second moments (sqrt(v) ~ eps), a
+    rebuilt sqrt(v) near 0 under a block's error in m divides by eps. The derived factor: no
+    element of the FP4 update exceeds U_t, the most any element of exact FP32 AdamW can move at
+    step t (update_bound, Cauchy-Schwarz), which FP32 AdamW's own updates reach here; without the
+    ratio clamp the FP4 updates exceed it by orders of magnitude."""
+    shape, steps = (64, 256), 30
+    grads = heavy_grads(shape, steps, seed=3, scale=1e-8, df=1.5)
+
+    def max_ratio(**kw):
+        w = torch.nn.Parameter(torch.zeros(shape))
+        opt = optim.AdamW([w], lr=1.0, weight_decay=0.0, **kw)
+        worst = []
+        for t, g in enumerate(grads, 1):
+            before = w.detach().clone()
+            w.grad = g.clone()
+            opt.step()
+            step = (w.detach() - before).abs()
+            slack = before.abs().max().item() * 2.0**-23  # the rounding of p + update
+            worst.append((step.max().item() - slack) / optim.update_bound(1.0, (0.9, 0.95), t))
+        return worst
+
+    fp32, fp4_state, unclamped = max_ratio(), max_ratio(state="nvfp4"), max_ratio(state="nvfp4", ratio_clamp=False)
+    print(f"\nmax |update| / U_t over steps: fp32 {max(fp32):.4f}, nvfp4 {max(fp4_state):.4f}, "
+          f"nvfp4 without the clamp {max(unclamped):.1f}")
+    assert max(fp32) <= 1 + 1e-5 and max(fp4_state) <= 1 + 1e-5
+    assert max(fp32) > 0.99  # the bound is attained: the factor over FP32 AdamW's worst case is 1
+    assert max(unclamped) > 50  # the blow-up the clamp removes is real
+
+
+def test_ratio_bound_is_exact_adamw_invariant():
+    """|m_t| <= C_t sqrt(v_t) holds for exact AdamW and is attained by gradients growing like
+    (b2 / b1)^k (the Cauchy-Schwarz equality case)."""
+    betas, t = (0.9, 0.95), 12
+    g = torch.tensor([(betas[1] / betas[0]) ** k for k in range(t)], dtype=torch.float64)
+    m, v = exact_moments(g.view(t, 1, 1), betas)
+    assert float(m.abs() / v.sqrt()) == pytest.approx(optim.ratio_bound(betas, t), rel=1e-12)
+    m, v = exact_moments(heavy_grads((64, 64), t, seed=1).double(), betas)
+    assert bool((m.abs() <= optim.ratio_bound(betas, t) * v.sqrt() * (1 + 1e-12)).all())
+    assert optim.update_bound(1.0, betas, 1) == pytest.approx(1.0)
+
+
+def _v_rel_mse(v, **kw):
+    """Relative MSE of v rebuilt from quantize_state(v, 'sqrt') (or, direct=True, from NVFP4 of v)."""
+    if kw.pop("direct", False):
+        h = kw.get("hadamard", 0)
+        d = fp4.dequantize(fp4.quantize(v, "nvfp4", hadamard=h))
+        vh = (fp4.hadamard(d, h) if h else d).clamp(min=0)
+    else:
+        vh = optim.dequantize_state(optim.quantize_state(v, "sqrt", rounding="rn", **kw))
+    return float(((vh.double() - v.double()) ** 2).sum() / (v.double() ** 2).sum())
+
+
+def test_sqrt_transform_against_direct_v():
+    """SPEC 8.1 / Full-Stack FP4: sqrt(v), mean removed, Hadamard, NVFP4 has about 60% lower relative
+    MSE than NVFP4 of v itself. Measured on heavy-tailed second moments (Student-t gradients, rows
+    spanning orders of magnitude): the ratio is reported and bounded for SPEC's transform against
+    v quantized with the same Hadamard, and for this module's default format against v direct."""
+    _, v = exact_moments(heavy_grads((256, 512), 50, seed=0))
+    spec = _v_rel_mse(v, hadamard=128, mean="block") / _v_rel_mse(v, direct=True, hadamard=128)
+    default = _v_rel_mse(v) / _v_rel_mse(v, direct=True)
+    print(f"\nrelative MSE of v, sqrt transform / direct: SPEC (H128, mean per 128) {spec:.3f}, "
+          f"default (H{optim.STATE_HADAMARD}, mean {optim.STATE_MEAN}) {default:.3f}")
+    assert spec < 0.4  # at least the reported 60% lower
+    assert default < 1.1  # no worse in MSE; what the default gains is in the update (below)
+    # where v direct fails: small v elements rebuilt as 0 (each an eps blow-up waiting to happen)
+    d = fp4.dequantize(fp4.quantize(v, "nvfp4"))
+    s = optim.dequantize_state(optim.quantize_state(v, "sqrt", rounding="rn"))
+    zero_direct, zero_sqrt = float((d[v > 0] <= 0).float().mean()), float((s[v > 0] <= 0).float().mean())
+    print(f"v > 0 rebuilt as 0: direct {zero_direct:.3f}, sqrt {zero_sqrt:.3f}")
+    assert zero_direct > 0.5 and zero_sqrt < 0.25 * zero_direct
+
+
+def _ema_error(kind, rounding, steps=60, tail=20):
+    """An EMA re-quantized every step (SPEC 8.1), from -target (m, a sign flip) or 4 target (v, a
+    decaying spike): the fraction of elements whose average over the last `tail` steps is more
+    than 20% off the exact EMA's."""
+    gen = torch.Generator().manual_seed(0)
+    target = torch.randn(64, 256, generator=gen) * torch.exp(torch.randn(64, 1, generator=gen))
+    b, start = (0.9, -1.0) if kind == "signed" else (0.95, 4.0)
+    target = target if kind == "signed" else target * target
+    exact = start * target
+    s = optim.quantize_state(exact, kind, seed=0, rounding=rounding)
+    avg = torch.zeros_like(exact, dtype=torch.float64)
+    for t in range(steps):
+        exact = b * exact + (1 - b) * target
+        s = optim.quantize_state(b * optim.dequantize_state(s) + (1 - b) * target, kind, seed=t + 1, rounding=rounding)
+        if t >= steps - tail:
+            avg += optim.dequantize_state(s).double() / tail
+    return float(((avg - exact.double()).abs() > 0.2 * exact.double().abs()).float().mean())
+
+
+def test_stagnation_round_to_nearest_against_stochastic():
+    """With round to nearest an EMA increment below half a grid step is lost at every step, so m
+    stalls on its way through a sign flip; stochastic rounding keeps the increments in expectation.
+    For v the stall is towards a too large v (a smaller step), and SR's noise, squared, biases v
+    up as well: measured, RN is no worse there (README)."""
+    m_rn, m_sr = _ema_error("signed", "rn"), _ema_error("signed", "sr")
+    v_rn, v_sr = _ema_error("sqrt", "rn"), _ema_error("sqrt", "sr")
+    print(f"\nelements > 20% off after 60 steps: m RN {m_rn:.3f} SR {m_sr:.3f}; v RN {v_rn:.3f} SR {v_sr:.3f}")
+    assert m_rn > 1.5 * m_sr
+    assert v_rn < 1.1 * v_sr
+
+
+def _regression_loss(steps=300, lr=3e-2, seed=0, **opt_kw):
+    """Least squares with heavy-tailed feature scales (inputs whose scales span orders of magnitude,
+    as LLM activations' outlier channels): minibatch AdamW, cosine lr; the final full-batch loss
+    (the noise floor is 1e-4)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(4096, 256, generator=gen) * torch.exp(torch.randn(1, 256, generator=gen))
+    y = x @ (torch.randn(64, 256, generator=gen) / 16).t() + 0.01 * torch.randn(4096, 64, generator=gen)
+    w, b = torch.nn.Parameter(torch.zeros(64, 256)), torch.nn.Parameter(torch.zeros(64))
+    opt = optim.AdamW([w, b], lr=lr, weight_decay=0.0, **opt_kw)
+    for it in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * it / steps))
+        idx = torch.randint(0, 4096, (256,), generator=gen)
+        ((x[idx] @ w.t() + b - y[idx]) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        return float(((x @ w.t() + b - y) ** 2).mean())
+
+
+def test_regression_reaches_fp32_loss():
+    """A regression problem with NVFP4 states ends within 25% of FP32 AdamW's loss (measured: 5%
+    for the default format; SPEC's Hadamard-128 + mean format ends ~9x above, printed)."""
+    fp32 = _regression_loss()
+    nvfp4 = _regression_loss(state="nvfp4")
+    spec = _regression_loss(state="nvfp4", hadamard=128, mean="block", rounding="sr")
+    print(f"\nregression loss: fp32 {fp32:.4e}, nvfp4 {nvfp4:.4e} ({nvfp4 / fp32:.3f}x), "
+          f"SPEC H128 + mean + SR {spec:.4e} ({spec / fp32:.2f}x)")
+    assert fp32 < 1.3e-4  # near the noise floor: the problem is solved
+    assert nvfp4 < 1.25 * fp32
+
+
 def _loss_and_grads(params, targets, weights):
     """A weighted quadratic loss whose gradients depend on the parameters (for resume tests)."""
     loss = sum(((p.detach() - t) ** 2 * w).sum() for p, t, w in zip(params, targets, weights))
@@ -222,9 +358,9 @@ def test_state_dict_round_trip_and_resume_exactly():
 
 def test_state_bytes_of_the_1b_parameter_set():
     """The NVFP4 states of the ~1B Llama hold <= 1.2 B/param (issue 11), counted on the meta
-    device; FP32 states hold 8. Exact count: m and v 2 x (1/2 + 1/16) B/element, plus 4 B of mean
-    per Hadamard block and 4 B tensor scales per quantized tensor, 8 B/element for the FP32 ones,
-    4 B of step counter per parameter."""
+    device; FP32 states hold 8. Exact count: m and v 2 x (1/2 + 1/16) B/element, plus the means of
+    sqrt(v) (4 B per 128-block, row or tensor) and 4 B tensor scales per quantized tensor, 8
+    B/element for the FP32 ones, 4 B of step counter per parameter."""
     import model
     with torch.device("meta"):
         net = model.GPT(model.config_for("1b"))
@@ -233,11 +369,12 @@ def test_state_bytes_of_the_1b_parameter_set():
     fp4_opt, fp32_opt = optim.AdamW(params, state="nvfp4"), optim.AdamW(params)
     for opt in (fp4_opt, fp32_opt):
         opt.init_state()
-    h = optim.STATE_HADAMARD
     want = 4 * len(params)
     for p in params:
-        if optim.quantizable(tuple(p.shape)):
-            want += 2 * (p.numel() // 2 + p.numel() // 16 + 4) + 4 * p.numel() // optim.MEAN_BLOCK
+        if optim.quantizable(tuple(p.shape), optim.STATE_HADAMARD, optim.STATE_MEAN):
+            rows = p.numel() // p.shape[-1]
+            mean = {"block": p.numel() // optim.MEAN_BLOCK, "row": rows}.get(optim.STATE_MEAN, 1)
+            want += 2 * (p.numel() // 2 + p.numel() // 16 + 4) + 4 * mean
         else:
             want += 8 * p.numel()
     got = optim.state_bytes(fp4_opt)
