@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 RECIPES = ('bf16', 'quartet', 'nvfp4', 'quartet2')
+OPTIMIZERS = ('adamw', 'adamw_fp4')
 
 # -----------------------------------------------------------------------------
 # config and named sizes
@@ -194,13 +195,18 @@ class GPT(nn.Module):
                                ignore_index=-1)
         return logits, loss
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas):
+    def configure_optimizers(self, weight_decay, learning_rate, betas, name='adamw'):
         # decay matrices (linears, embeddings); not norms, biases or other 1-d params
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [
             {'params': [p for p in params if p.dim() >= 2], 'weight_decay': weight_decay},
             {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0},
         ]
+        if name == 'adamw_fp4':  # AdamW with NVFP4 states (optim.py, SPEC.md 8.1)
+            import optim
+            return optim.AdamW(groups, lr=learning_rate, betas=betas, state='nvfp4')
+        if name != 'adamw':
+            raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
         # fused: one kernel for all params, on CUDA and CPU (6x faster than foreach on CPU)
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
 

@@ -205,6 +205,25 @@ def test_resume_is_bit_identical(corpus, tmp_path, recipe, accum, steps):
     assert a['train_loss'] == b['train_loss']  # exact float equality, not a tolerance
     assert a['val_loss'] == b['val_loss'] and a['val_steps'] == b['val_steps']
 
+def test_resume_adamw_fp4_is_bit_identical(corpus, tmp_path):
+    """--optimizer=adamw_fp4: the checkpoint holds the packed NVFP4 states (uint8 codes), the
+    resumed run repeats the uninterrupted one exactly, and summary.json names the optimizer."""
+    common = ['--recipe=bf16', '--optimizer=adamw_fp4', '--eval_interval=2', '--lr_decay_iters=4']
+    full = run(corpus, tmp_path / 'full', '--max_iters=4', *common)
+    run(corpus, tmp_path / 'part', '--max_iters=2', *common)
+    ckpt = torch.load(tmp_path / 'part' / 'ckpt.pt', weights_only=False)
+    assert ckpt['optimizer']['state'][0]['exp_avg']['codes'].dtype == torch.uint8  # wte (256 x 128)
+    resumed = run(corpus, tmp_path / 'part', '--max_iters=4', '--resume=True', *common)
+    assert full['loss_curve']['train_loss'] == resumed['loss_curve']['train_loss']
+    assert full['loss_curve']['val_loss'] == resumed['loss_curve']['val_loss']
+    assert full['optimizer'] == 'adamw_fp4' and 0 < full['optimizer_state_bytes']
+    n = sum(p.numel() for p in GPT(model_py.GPTConfig(**ckpt['model_args'])).parameters())
+    assert full['optimizer_state_bytes'] < 1.3 * n  # FP32 AdamW: 8 B/param
+    with pytest.raises(configurator.ConfigError, match="holds 'adamw_fp4' optimizer states, not 'adamw'"):
+        run(corpus, tmp_path / 'part', '--max_iters=6', '--resume=True', '--recipe=bf16', '--optimizer=adamw')
+    with pytest.raises(configurator.ConfigError, match="unknown optimizer 'sgd'.*adamw_fp4"):
+        train.main(['--optimizer=sgd', f'--out_dir={tmp_path}'])
+
 def file_hash(path):
     with open(path, 'rb') as f:
         return hashlib.sha256(f.read()).hexdigest()

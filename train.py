@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
-from model import GPT, GPTConfig, RECIPES, SIZES, apply_recipe, config_for
+from model import GPT, GPTConfig, OPTIMIZERS, RECIPES, SIZES, apply_recipe, config_for
 
 # -----------------------------------------------------------------------------
 # config: every global here can be overridden by config/*.py and --key=value
@@ -47,6 +47,7 @@ data_dir = ''             # set to read the .bin files from elsewhere
 n_kv_head = 0             # 0: as many kv heads as query heads; fewer: GQA
 recipe = 'quartet'        # one of model.RECIPES
 # AdamW and the lr schedule (Quartet's: betas (0.9, 0.95), wd 0.1, clip 1, cosine, 10% warmup)
+optimizer = 'adamw'       # one of model.OPTIMIZERS: adamw (torch's, FP32 states), adamw_fp4 (NVFP4 states)
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.95
@@ -99,6 +100,8 @@ def check_config():
     if model_size not in SIZES:
         raise configurator.ConfigError(f"unknown model_size {model_size!r}; "
                                        f"choose one of {', '.join(SIZES)}")
+    if optimizer not in OPTIMIZERS:
+        raise configurator.ConfigError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     if dtype not in ('float32', 'bfloat16'):
         raise configurator.ConfigError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
 
@@ -317,22 +320,26 @@ def init_run(rank, data_meta):
     if ckpt:
         model.load_state_dict(ckpt['model'])
     model.to(device)
-    optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2))
+    opt = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), optimizer)
     history = dict(steps=[], train_loss=[], val_steps=[], val_loss=[], eval_train_loss=[])
     iter_num = 0
     if ckpt:
-        optimizer.load_state_dict(ckpt['optimizer'])
+        saved = ckpt['config'].get('optimizer', 'adamw')
+        if saved != optimizer:
+            raise configurator.ConfigError(f"{out_dir}/ckpt.pt holds {saved!r} optimizer states, not {optimizer!r}")
+        opt.load_state_dict(ckpt['optimizer'])
         iter_num, history = ckpt['iter_num'], ckpt['history']
         rngs = ckpt['rng']
         set_rng_states(rngs[rank] if rank < len(rngs) else rngs[0])
-    return model, model_args, optimizer, iter_num, history
+    return model, model_args, opt, iter_num, history
 
 def finish(history, stats, model_args):
     """Loss plot, summary.json and the one-line summary a device run collects."""
     plot_losses(history, os.path.join(out_dir, 'loss.png'))
     summary = dict(val_loss=history['val_loss'][-1] if history['val_loss'] else None,
                    tokens_per_s=stats['tokens_per_s'], peak_mem_gib=peak_mem_gib(),
-                   recipe=recipe, model_size=model_size, model_args=model_args,
+                   recipe=recipe, optimizer=optimizer, model_size=model_size, model_args=model_args,
+                   optimizer_state_bytes=stats['optimizer_state_bytes'],
                    iters=max_iters, tokens=stats['tokens'], wall_s=stats['wall_s'],
                    device=torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu',
                    loss_curve=history)
@@ -396,7 +403,7 @@ def main(argv=None):
             f"of the {len(data['train']):,}-token train split")
     raw_model, model_args, optimizer, iter_num, history = init_run(rank, meta)
     log(f"model {model_size} {model_args}: {raw_model.get_num_params() / 1e6:.2f}M non-embedding, "
-        f"{raw_model.get_num_params(False) / 1e6:.2f}M total parameters; recipe {recipe}")
+        f"{raw_model.get_num_params(False) / 1e6:.2f}M total parameters; recipe {recipe}, optimizer {config['optimizer']}")
     model = torch.compile(raw_model) if compile else raw_model
     if world > 1:
         ids = [torch.cuda.current_device()] if device.startswith('cuda') else None
@@ -436,8 +443,9 @@ def main(argv=None):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    import optim  # bytes of the optimizer's states (packed FP4 states as stored)
     stats = dict(tokens=tokens, tokens_per_s=tokens / train_time if train_time else 0.0,
-                 wall_s=time.time() - t_start)
+                 wall_s=time.time() - t_start, optimizer_state_bytes=optim.state_bytes(optimizer))
     return finish(history, stats, model_args) if rank == 0 else None
 
 if __name__ == '__main__':
