@@ -99,6 +99,31 @@ def test_optimizer_groups():
     assert all(p.dim() == 1 for p in no_decay['params'])  # the RMSNorm weights
     assert opt.defaults['betas'] == (0.9, 0.95)
 
+@pytest.mark.parametrize('chunk', [7, 16, 64])
+def test_chunked_cross_entropy_equals_plain(chunk):
+    """loss_chunk > 0: the same loss and gradients as lm_head + F.cross_entropy (FP32 on the CPU,
+    ignored targets included), without the whole logits; under BF16 autocast, to BF16 rounding."""
+    torch.manual_seed(0)
+    plain = GPT(config_for('tiny', vocab_size=256, block_size=16))
+    chunked = GPT(config_for('tiny', vocab_size=256, block_size=16, loss_chunk=chunk))
+    chunked.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 256, (3, 16))
+    targets = torch.randint(0, 256, (3, 16))
+    targets[0, :5] = -1
+    for autocast in (False, True):
+        losses = []
+        for m in (plain, chunked):
+            m.zero_grad()
+            with torch.autocast('cpu', torch.bfloat16, enabled=autocast):
+                logits, loss = m(idx, targets)
+            loss.backward()
+            losses.append(loss)
+        assert logits is None  # the chunked model never builds them
+        tol = dict(rtol=2e-2, atol=2e-4) if autocast else dict(rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(losses[1], losses[0], **tol)
+        for (name, a), b in zip(plain.named_parameters(), chunked.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, **tol, msg=lambda m: f'{name}: {m}')
+
 @pytest.mark.parametrize('recipe', ['bf16', 'quartet', 'nvfp4', 'quartet2'])
 def test_apply_recipe_placement(recipe, monkeypatch):
     """Which modules reach fp4.to_fp4: the blocks only; nvfp4 spares the first and last."""
