@@ -657,9 +657,9 @@ def _ema_off(kind, fmt, steps=60, tail=20):
     return float(((avg - exact.double()).abs() > 0.2 * exact.double().abs()).float().mean())
 
 
-def _regression(seed, steps=300, lr=3e-2, **opt_kw):
+def regression_loss(seed, steps=300, lr=3e-2, **opt_kw):
     """Least squares, inputs with log-normal channel scales (LLM activations' outlier channels):
-    the final full-batch loss (noise floor 1e-4). test_optim.py runs the same problem."""
+    the final full-batch loss (noise floor 1e-4). test_optim.py tests it too."""
     import math
     import optim
     gen = torch.Generator().manual_seed(seed)
@@ -690,7 +690,7 @@ def section_states(args):
     else:  # FP32 AdamW's moments after 200 steps of the tiny LM on real text
         _, opt, _ = _tiny_lm_run(get, 200, 0, 3e-3, state="fp32")
         sets["tiny LM"] = [(None, st["exp_avg"], st["exp_avg_sq"]) for p, st in opt.state.items() if p.dim() == 2]
-    fp32_reg = [_regression(s) for s in range(3)]
+    fp32_reg = [regression_loss(s) for s in range(3)]
     lm_fp32 = [_tiny_lm_run(get, args.states_lm, s, 1.5e-3, state="fp32")[2] for s in (0, 1)] if get and args.states_lm else None
     rows = [dict(format=f"v direct (NVFP4 of v), data {name}", **_v_direct_errors(s)) for name, s in sets.items()]
     for fmt in STATE_FORMATS:
@@ -699,7 +699,7 @@ def section_states(args):
         for name, s in sets.items():
             row.update({f"{k} ({name})": val for k, val in _format_errors(s, fmt).items()})
         row.update(m_flip_off=_ema_off("signed", fmt), v_decay_off=_ema_off("sqrt", fmt))
-        reg = [_regression(s, state="nvfp4", hadamard=h, mean=mean, rounding=rnd) for s in range(3)]
+        reg = [regression_loss(s, state="nvfp4", hadamard=h, mean=mean, rounding=rnd) for s in range(3)]
         row["regression_vs_fp32"] = math.exp(sum(math.log(a / b) for a, b in zip(reg, fp32_reg)) / 3)
         if lm_fp32:
             lm = [_tiny_lm_run(get, args.states_lm, s, 1.5e-3, state="nvfp4", hadamard=h, mean=mean, rounding=rnd)[2]
