@@ -1396,8 +1396,10 @@ template __global__ void dequant<2>(const u8*, const u8*, const float*, u32, u32
 //       the two new tensor scales (to g_out: the old ones are still being read).
 //       A thread holds E = 32 consecutive elements (16 for H = 0 and 16 without the mean); a
 //       128-block of the mean spans 4 lanes, an H-block H / E (lane q), whose butterfly stages and
-//       mean sums go through shfl_xor_all. adamw_group is the per-thread math; it also builds as host C++ (FP4_HOST_EMU):
+//       mean sums go through shfl_xor_all. adamw_group is the per-thread math; it also builds as
+//       host C++ (FP4_HOST_EMU with FP4_HOST_EMU_ADAMW, whose harness brings shfl_xor_all):
 //       test_optim.py::test_host_emulation_adamw checks it against the reference on the CPU.
+#if !defined(FP4_HOST_EMU) || defined(FP4_HOST_EMU_ADAMW)
 
 struct AdamArgs {
   u32 K;                    // the parameter's last dim (rows of the states' (R, K) view)
@@ -1590,3 +1592,4 @@ template __global__ void adamw_nvfp4<128, 1, 1, false, true>(ADAMW_NVFP4_ARGS);
 #undef ADAMW_NVFP4_ARGS
 #endif
 #endif  // FP4_HOST_EMU
+#endif  // !FP4_HOST_EMU || FP4_HOST_EMU_ADAMW

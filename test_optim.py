@@ -403,6 +403,7 @@ def test_fused_kernel_matches_reference(hadamard, mean, rounding, clamp):
 # one step from a given state, against the PyTorch twin bit for bit. It checks on every CI run
 # what the GPU test checks on a GPU, except the loads, the stores and the launch.
 EMU_ADAMW_SHUFFLE = r"""
+#define FP4_HOST_EMU_ADAMW
 // the lanes' shuffles of whole arrays: one exchange through the quad barrier, not one per element
 static float aslot[4][32];
 template <int E> static void shfl_xor_all(float (&y)[E], const float (&x)[E], int m) {
