@@ -26,15 +26,19 @@ import kernels
 #   view (K = x's last dim), tensor_scale FP32 0-d; 'sqrt' also holds mean, FP32: (R, K/128) per
 #   128-block, (R, 1) per row or (1, 1) per tensor (none: a zero (1, 1)).
 # Tensors that stay FP32 (quantizable() is False: fewer than 2 dims, under STATE_MIN_NUMEL
-# elements, last dim not divisible by the Hadamard size) are an FP32 tensor instead of a dict.
+# elements, last dim not divisible by 16, the Hadamard size or the mean's block) are an FP32
+# tensor instead of a dict.
 #
 # 'signed' (m):  q = NVFP4(x H);                 x' = dequantize(q) H
 # 'sqrt'   (v):  s = sqrt(v), mu = mean(s),      v' = (clamp(dequantize(q) H + mu, min=0))^2
 #                q = NVFP4((s - mu) H)
 # H is the blockwise Hadamard of fp4.hadamard (symmetric, H H = I up to FP32 rounding). The mean
 # per 128-block is a halving-tree sum (fp4._tree_sum) times 1/128, as a kernel adds it.
-# Defaults decided by measurement (README "Optimizer states in FP4"; python bench.py --sections
-# states): stochastic rounding, Hadamard-128, mean per Hadamard block.
+# Defaults decided by measurement (README "Optimizer states in FP4 (optim.py)"; python bench.py
+# --sections states): no Hadamard and no mean (both cost update accuracy: Adam divides each element
+# by its own sqrt(v), and a rotation or a mean spreads a block's error onto its small elements),
+# stochastic rounding for m (RN stalls an EMA), round to nearest for sqrt(v) (SR's noise, squared,
+# biases v up).
 
 STATE_HADAMARD = 0
 STATE_ROUNDING = ("sr", "rn")  # (m, v)
@@ -172,12 +176,13 @@ STATE_FORMATS = ("fp32", "nvfp4")
 
 
 class AdamW(torch.optim.Optimizer):
-    """AdamW with FP32 or NVFP4 states. Params: lr, betas, eps, weight_decay as torch's;
-    state 'fp32' | 'nvfp4'; the NVFP4 options rounding ('rn', 'sr' or a pair: m's, v's), hadamard,
-    mean (quantize_state) and ratio_clamp; seed: the base of the stochastic-rounding seeds (a pure function of seed, step,
-    parameter index and state: resumed runs repeat exactly); fused: None uses the fused GPU kernel
-    where it applies, False never (the PyTorch reference), True requires it. Every option can be
-    set per param group. Tensors quantizable() rejects keep FP32 states under 'nvfp4'."""
+    """AdamW with FP32 or NVFP4 states. lr, betas, eps, weight_decay: as torch's. state: 'fp32' or
+    'nvfp4'. The NVFP4 options: rounding ('rn', 'sr' or a pair: m's, v's), hadamard and mean (as
+    quantize_state's), ratio_clamp (the eps blow-up guard above). seed: the base of the SR seeds,
+    a pure function of (seed, step, parameter index, state), so resumed runs repeat exactly.
+    fused: None uses the fused GPU kernel where it applies, False never (the PyTorch reference),
+    True requires it. Every option can be set per param group; tensors quantizable() rejects keep
+    FP32 states under 'nvfp4'."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, state="fp32",
                  rounding=STATE_ROUNDING, hadamard=STATE_HADAMARD, mean=STATE_MEAN, ratio_clamp=True,
@@ -353,7 +358,7 @@ def _nvfp4_scalars(group, t):
 def _adamw_nvfp4(p, st, group, seeds):
     t = int(st["step"].item())
     c = _nvfp4_scalars(group, t)
-    if _use_kernel(p, group):
+    if _use_kernel(p, st, group):
         return _adamw_nvfp4_kernel(p, st, group, c, seeds)
     m, v = adamw_nvfp4_reference(p, dequantize_state(st["exp_avg"]), dequantize_state(st["exp_avg_sq"]), c)
     rm, rv = _roundings(group)
@@ -379,12 +384,15 @@ def adamw_nvfp4_reference(p, m, v, c):
 # The fused GPU path: kernels.cu's adamw_nvfp4, launched twice per parameter tensor through
 # kernels.launch (pass 1: the new states' amaxes for the NVFP4 tensor scales; pass 0: everything else).
 
-def _use_kernel(p, group):
-    """Whether this parameter's NVFP4 step runs fused (group['fused']: None = where it applies)."""
+def _use_kernel(p, st, group):
+    """Whether this parameter's NVFP4 step runs fused (group['fused']: None = where it applies). The
+    kernel reads and writes the group's format; a state stored in another (the group changed since)
+    goes through the reference, which reads the stored one."""
     if group["fused"] is False:
         return False
     ok = (p.is_cuda and fp4.kernels_enabled() and p.dtype == torch.float32 and p.grad.dtype == torch.float32
-          and kernels._aligned(p) and kernels._aligned(p.grad) and group["mean"] in ("block", "none"))
+          and kernels._aligned(p) and kernels._aligned(p.grad) and group["mean"] in ("block", "none")
+          and st["exp_avg"]["hadamard"] == group["hadamard"] and st["exp_avg_sq"]["mean_over"] == group["mean"])
     if group["fused"] and not ok:
         raise ValueError("fused=True needs FP32 contiguous CUDA parameters and gradients, CuPy, and "
                          f"mean 'block' or 'none'; got {p.dtype} on {p.device}, mean {group['mean']!r}")
