@@ -397,12 +397,13 @@ def _torchao_float8(model, recipe_name):
     return convert_to_float8_training(model, config=config, module_filter_fn=keep)
 
 
-def _step_model(args, variant):
+def _step_model(args, variant, optimizer="adamw", loss_chunk=0):
     """The ~1B Llama for one step variant, on the GPU, with its optimizer (as train.py makes it)."""
     import model as llama
     torch.manual_seed(0)
     base, _, attn = variant.partition("+attn-")  # e.g. "quartet+attn-nvfp4": FP4 attention too
-    cfg = llama.config_for(args.model, block_size=args.seq, attention=attn or "bf16")
+    cfg = llama.config_for(args.model, block_size=args.seq, attention=attn or "bf16",
+                             loss_chunk=loss_chunk)
     net = llama.GPT(cfg).cuda()
     if base.startswith("float8-"):
         net = _torchao_float8(net, base.split("-", 1)[1])
@@ -411,13 +412,14 @@ def _step_model(args, variant):
     else:
         net = llama.apply_recipe(net, base)
         fp4.refit_lora(net)  # fullstack: fit L as train.py does at step 0 (no-op for the others)
-    return net, net.configure_optimizers(0.1, 1e-4, (0.9, 0.95)), cfg
+    import optim  # the optimizer as train.py builds it (optim.build)
+    return net, optim.build(net, optimizer, lr=1e-4, weight_decay=0.1), cfg
 
 
-def _time_step(args, variant, compiled):
+def _time_step(args, variant, compiled, optimizer="adamw", loss_chunk=0):
     """Median step time and peak memory of one variant: autocast BF16 forward with the loss inside
     the model, backward, fused AdamW, with the model torch.compile'd as train.py does."""
-    net, opt, cfg = _step_model(args, variant)
+    net, opt, cfg = _step_model(args, variant, optimizer, loss_chunk)
     fwd = torch.compile(net) if compiled else net
     idx = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device="cuda")
     x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
@@ -436,22 +438,41 @@ def _time_step(args, variant, compiled):
     torch.cuda.reset_peak_memory_stats()
     ms = bench(step, warmup=1, reps=args.step_reps)
     peak = torch.cuda.max_memory_allocated() / 2**30
+    parts = memory_parts(net, opt, step, 0 if loss_chunk else args.batch * args.seq * cfg.vocab_size)
     del net, opt, fwd
-    return ms, peak, warm_s
+    return ms, peak, warm_s, parts
+
+
+def memory_parts(net, opt, step, logits_numel):
+    """The step's peak by kind, GiB: weights, gradients (as many bytes as the weights: FP32 master
+    grads), optimizer states (optim.state_bytes, after a step), logits (analytic: BF16 logits, their
+    FP32 copy and FP32 gradient, B T V x 10 bytes, an upper bound where inductor fuses the loss),
+    and the rest (activations saved for the backward, workspaces): peak - the others."""
+    import optim
+    gib = 2**-30
+    weights = sum(p.numel() * p.element_size() for p in net.parameters()) * gib
+    states = optim.state_bytes(opt) * gib
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    peak = torch.cuda.max_memory_allocated() * gib
+    logits = logits_numel * 10 * gib
+    return dict(weights_gib=round(weights, 2), grads_gib=round(weights, 2), optimizer_gib=round(states, 2),
+                logits_gib=round(logits, 2), rest_gib=round(peak - 2 * weights - states - logits, 2))
 
 
 def section_step(args):
     """Tokens/s and peak memory per variant, compiled (the headline) and optionally eager, all
     against the BF16 row of the same mode in the same run."""
-    variants = args.step_variants.split(",")
+    variants = [(v, o, int(c)) for v in args.step_variants.split(",") for o in args.step_optimizers.split(",")
+                for c in args.step_loss_chunk.split(",")]
     rows = []
     for compiled in (True, False) if args.step_eager else (True,):
         base = None
-        for variant in variants:
-            row = dict(model=args.model, variant=variant, mode="compiled" if compiled else "eager",
-                       tokens_per_step=args.batch * args.seq)
+        for variant, optimizer, chunk in variants:
+            row = dict(model=args.model, variant=variant, optimizer=optimizer, loss_chunk=chunk,
+                       mode="compiled" if compiled else "eager", tokens_per_step=args.batch * args.seq)
             try:
-                ms, peak, warm_s = _time_step(args, variant, compiled)
+                ms, peak, warm_s, parts = _time_step(args, variant, compiled, optimizer, chunk)
             except SkipVariant as why:
                 rows.append(dict(row, skipped=str(why)))
                 print(f"  {variant}: skipped: {why}")
@@ -462,13 +483,240 @@ def section_step(args):
             tok_s = args.batch * args.seq / (ms / 1000)
             if variant == "bf16" and base is None:
                 base = (tok_s, peak)
-            rows.append(dict(row, ms=round(ms, 1), tokens_per_s=round(tok_s), peak_gib=round(peak, 2),
+            rows.append(dict(row, **parts, ms=round(ms, 1), tokens_per_s=round(tok_s), peak_gib=round(peak, 2),
                              first_step_s=round(warm_s, 1),
                              vs_bf16=round(tok_s / base[0], 3) if base else None,
                              mem_vs_bf16=round(peak / base[1], 3) if base else None))
         mode = "compiled" if compiled else "eager"
         print_table([r for r in rows if r["mode"] == mode and "ms" in r],
-                    ["model", "variant", "mode", "ms", "tokens_per_s", "vs_bf16", "peak_gib", "mem_vs_bf16", "first_step_s"])
+                    ["model", "variant", "optimizer", "loss_chunk", "mode", "ms", "tokens_per_s", "vs_bf16", "peak_gib",
+                     "mem_vs_bf16", "first_step_s"])
+        print_table([r for r in rows if r["mode"] == mode and "ms" in r],
+                    ["variant", "optimizer", "loss_chunk", "peak_gib", "weights_gib", "grads_gib", "optimizer_gib", "logits_gib", "rest_gib"])
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# optim: one optimizer step over the ~1B Llama's parameters (SPEC 8.1): time and state bytes/param
+
+OPTIM_VARIANTS = ("torch AdamW (fused)", "optim.AdamW fp32", "optim.AdamW nvfp4", "optim.AdamW nvfp4 (unfused reference)",
+                  "torchao AdamW8bit", "torchao AdamW4bit")
+
+
+def _optimizer(variant, params):
+    hyper = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    if variant == "torch AdamW (fused)":
+        return torch.optim.AdamW(params, fused=True, **hyper)
+    if variant.startswith("optim.AdamW"):
+        import optim
+        return optim.AdamW(params, state=variant.split()[1], fused=False if "unfused" in variant else None, **hyper)
+    try:
+        from torchao.optim import AdamW4bit, AdamW8bit
+    except ImportError as err:
+        raise SkipVariant(f"torchao not installed ({err.__class__.__name__}: pip install torchao)")
+    return (AdamW8bit if "8bit" in variant else AdamW4bit)(params, **hyper)
+
+
+def section_optim(args):
+    """Median time of optimizer.step() and the bytes its states hold, per parameter, on the
+    parameter set of args.model (FP32 parameters and gradients on the GPU), all in one run."""
+    import model as llama
+    import optim
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        params = list(llama.GPT(llama.config_for(args.model)).parameters())
+    n = sum(p.numel() for p in params)
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    rows, base = [], None
+    for variant in OPTIM_VARIANTS:
+        row = dict(model=args.model, params=n, variant=variant)
+        try:
+            opt = _optimizer(variant, params)
+        except SkipVariant as why:
+            rows.append(dict(row, skipped=str(why)))
+            print(f"  {variant}: skipped: {why}")
+            continue
+        opt.step()  # allocates the states (and compiles what compiles)
+        ms = bench(opt.step, warmup=1, reps=args.optim_reps)
+        nbytes = optim.state_bytes(opt)
+        base = base or ms
+        rows.append(dict(row, ms=round(ms, 2), vs_torch_fused=round(base / ms, 3),
+                         state_bytes_per_param=round(nbytes / n, 4), state_gib=round(nbytes / 2**30, 3)))
+        del opt
+        torch.cuda.empty_cache()
+    print_table([r for r in rows if "ms" in r], ["model", "variant", "ms", "vs_torch_fused", "state_bytes_per_param", "state_gib"])
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# states: the NVFP4 optimizer-state format, decided by measurement (SPEC 8.1; runs on a CPU)
+
+# (hadamard, mean of sqrt(v), rounding (m, v)) candidates; the first is optim's default
+STATE_FORMATS = [(0, "none", ("sr", "rn")), (0, "none", ("rn", "rn")), (0, "none", ("sr", "sr")), (0, "block", ("sr", "rn")),
+                 (16, "block", ("sr", "rn")), (128, "block", ("sr", "sr")), (128, "block", ("rn", "rn")),
+                 (128, "none", ("sr", "sr"))]
+
+
+def _heavy_moments(shape=(256, 512), steps=50, seed=0):
+    """Exact AdamW m, v after Student-t(2) gradients whose rows span orders of magnitude."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.exp(2.0 * torch.randn(shape[0], 1, generator=gen))
+    m, v = torch.zeros(shape), torch.zeros(shape)
+    for _ in range(steps):
+        g = torch.randn(shape, generator=gen) / torch.sqrt(torch.rand(shape, generator=gen).log().neg()) * rows * 1e-4
+        m.lerp_(g, 0.1)
+        v.mul_(0.95).addcmul_(g, g, value=0.05)
+    return [("heavy-tailed", m, v)]
+
+
+def _lm_batches(vocab=2048, batch=16, seq=64):
+    """data/pycode tokens mapped to their `vocab` - 1 most frequent ids (+ one for the rest): real
+    text statistics at a CPU-sized lm_head; None when the corpus is not prepared."""
+    import numpy as np
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "pycode")
+    if not os.path.exists(os.path.join(path, "train.bin")):
+        return None
+    data = {s: np.asarray(np.memmap(os.path.join(path, f"{s}.bin"), dtype=np.uint32, mode="r")[:2_000_000])
+            for s in ("train", "val")}
+    ids, counts = np.unique(data["train"], return_counts=True)
+    remap = np.full(int(max(d.max() for d in data.values())) + 1, vocab - 1, dtype=np.int64)
+    remap[ids[np.argsort(-counts)][: vocab - 1]] = np.arange(vocab - 1)
+    data = {s: remap[d] for s, d in data.items()}
+
+    def get(split, key, b=batch):
+        ix = np.random.default_rng(key).integers(0, len(data[split]) - seq - 1, size=b)
+        x = torch.from_numpy(np.stack([data[split][i:i + seq + 1] for i in ix]))
+        return x[:, :-1], x[:, 1:]
+    return get
+
+
+def _tiny_lm_run(get, steps, seed, lr, **opt_kw):
+    """The tiny Llama (vocab 2048) trained `steps` steps; returns the model's AdamW and val loss."""
+    import math
+    import model as llama
+    import optim
+    torch.manual_seed(seed)
+    net = llama.GPT(llama.config_for("tiny", vocab_size=2048, block_size=64))
+    groups = [dict(params=[p for p in net.parameters() if p.dim() >= 2]),
+              dict(params=[p for p in net.parameters() if p.dim() < 2], weight_decay=0.0)]
+    opt = optim.AdamW(groups, lr=lr, seed=seed, **opt_kw)
+    warm = steps // 10
+    for it in range(steps):
+        frac = (it - warm) / (steps - warm)
+        for g in opt.param_groups:
+            g["lr"] = lr * (it + 1) / (warm + 1) if it < warm else lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+        _, loss = net(*get("train", [seed, it]))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        val = sum(net(*get("val", [99, k], 32))[1].item() for k in range(16)) / 16
+    return net, opt, val
+
+
+def _format_errors(sets, fmt):
+    """One quantization of each (m, v): relative MSE of v, the share of v > 0 rebuilt as 0, and the
+    relative MSE of the update m / (sqrt(v) + eps) from both rebuilt states (ratio clamp applied)."""
+    import optim
+    h, mean, (rm, rv) = fmt
+    c = optim.ratio_bound((0.9, 0.95), 1000)
+    acc = dict(v=0.0, vd=0.0, z=0.0, n=0.0, u=0.0, ud=0.0)
+    for _, m, v in sets:
+        mh = optim.dequantize_state(optim.quantize_state(m, "signed", rounding=rm, hadamard=h)).double()
+        vh = optim.dequantize_state(optim.quantize_state(v, "sqrt", rounding=rv, hadamard=h, mean=mean)).double()
+        m, v = m.double(), v.double()
+        u, sh = m / (v.sqrt() + 1e-8), vh.sqrt()
+        uh = torch.where(mh.abs() > c * sh, c * sh * mh.sign(), mh) / (sh + 1e-8)
+        for k, val in (("v", ((vh - v) ** 2).sum()), ("vd", (v ** 2).sum()), ("z", ((v > 0) & (vh <= 0)).sum()),
+                       ("n", (v > 0).sum()), ("u", ((uh - u) ** 2).sum()), ("ud", (u ** 2).sum())):
+            acc[k] += float(val)
+    return dict(v_rel_mse=acc["v"] / acc["vd"], v_zeroed=acc["z"] / acc["n"], update_rel_mse=acc["u"] / acc["ud"])
+
+
+def _v_direct_errors(sets):
+    """NVFP4 of v itself (no square root), the baseline of SPEC 8.1's 60% claim."""
+    num = den = z = n = 0.0
+    for _, _, v in sets:
+        vh = fp4.dequantize(fp4.quantize(v.reshape(-1, v.shape[-1]), "nvfp4")).clamp(min=0).view(v.shape).double()
+        num, den = num + float(((vh - v.double()) ** 2).sum()), den + float((v.double() ** 2).sum())
+        z, n = z + float(((v > 0) & (vh <= 0)).sum()), n + float((v > 0).sum())
+    return dict(v_rel_mse=num / den, v_zeroed=z / n)
+
+
+def _ema_off(kind, fmt, steps=60, tail=20):
+    """Share of elements whose EMA, re-quantized every step, averages > 20% off the exact EMA's over
+    the last `tail` steps: m through a sign flip (from -target), v decaying from 4 target."""
+    import optim
+    h, mean, (rm, rv) = fmt
+    gen = torch.Generator().manual_seed(0)
+    target = torch.randn(64, 256, generator=gen) * torch.exp(torch.randn(64, 1, generator=gen))
+    b, start, kw = (0.9, -1.0, dict(rounding=rm, hadamard=h)) if kind == "signed" else \
+        (0.95, 4.0, dict(rounding=rv, hadamard=h, mean=mean))
+    target = target if kind == "signed" else target * target
+    exact = start * target
+    s, avg = optim.quantize_state(exact, kind, seed=0, **kw), torch.zeros_like(exact, dtype=torch.float64)
+    for t in range(steps):
+        exact = b * exact + (1 - b) * target
+        s = optim.quantize_state(b * optim.dequantize_state(s) + (1 - b) * target, kind, seed=t + 1, **kw)
+        if t >= steps - tail:
+            avg += optim.dequantize_state(s).double() / tail
+    return float(((avg - exact.double()).abs() > 0.2 * exact.double().abs()).float().mean())
+
+
+def regression_loss(seed, steps=300, lr=3e-2, **opt_kw):
+    """Least squares, inputs with log-normal channel scales (LLM activations' outlier channels):
+    the final full-batch loss (noise floor 1e-4). test_optim.py tests it too."""
+    import math
+    import optim
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(4096, 256, generator=gen) * torch.exp(torch.randn(1, 256, generator=gen))
+    y = x @ (torch.randn(64, 256, generator=gen) / 16).t() + 0.01 * torch.randn(4096, 64, generator=gen)
+    w, bias = torch.nn.Parameter(torch.zeros(64, 256)), torch.nn.Parameter(torch.zeros(64))
+    opt = optim.AdamW([w, bias], lr=lr, weight_decay=0.0, **opt_kw)
+    for it in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * it / steps))
+        idx = torch.randint(0, 4096, (256,), generator=gen)
+        ((x[idx] @ w.t() + bias - y[idx]) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        return float(((x @ w.t() + bias - y) ** 2).mean())
+
+
+def section_states(args):
+    """Rows per candidate format: single-shot errors on heavy-tailed and real (tiny LM) moments,
+    EMA drift, a regression's final loss against FP32 AdamW's, and (--states-lm) the tiny LM's
+    val loss: what optim's defaults (STATE_HADAMARD, STATE_MEAN, STATE_ROUNDING) were chosen by."""
+    import math
+    get = _lm_batches()
+    sets = {"heavy-tailed": _heavy_moments()}
+    if get is None:
+        print("  data/pycode not prepared: no tiny-LM moments (python data/pycode/prepare.py)")
+    else:  # FP32 AdamW's moments after 200 steps of the tiny LM on real text
+        _, opt, _ = _tiny_lm_run(get, 200, 0, 3e-3, state="fp32")
+        sets["tiny LM"] = [(None, st["exp_avg"], st["exp_avg_sq"]) for p, st in opt.state.items() if p.dim() == 2]
+    fp32_reg = [regression_loss(s) for s in range(3)]
+    lm_fp32 = [_tiny_lm_run(get, args.states_lm, s, 1.5e-3, state="fp32")[2] for s in (0, 1)] if get and args.states_lm else None
+    rows = [dict(format=f"v direct (NVFP4 of v), data {name}", **_v_direct_errors(s)) for name, s in sets.items()]
+    for fmt in STATE_FORMATS:
+        h, mean, rnd = fmt
+        row = dict(format=f"H{h} mean {mean} m {rnd[0]} v {rnd[1]}")
+        for name, s in sets.items():
+            row.update({f"{k} ({name})": val for k, val in _format_errors(s, fmt).items()})
+        row.update(m_flip_off=_ema_off("signed", fmt), v_decay_off=_ema_off("sqrt", fmt))
+        reg = [regression_loss(s, state="nvfp4", hadamard=h, mean=mean, rounding=rnd) for s in range(3)]
+        row["regression_vs_fp32"] = math.exp(sum(math.log(a / b) for a, b in zip(reg, fp32_reg)) / 3)
+        if lm_fp32:
+            lm = [_tiny_lm_run(get, args.states_lm, s, 1.5e-3, state="nvfp4", hadamard=h, mean=mean, rounding=rnd)[2]
+                  for s in (0, 1)]
+            row.update(lm_val=[round(v, 4) for v in lm], lm_val_fp32=[round(v, 4) for v in lm_fp32])
+        rows.append(row)
+        print(f"  {row['format']}: done")
+    print_table(rows, list(dict.fromkeys(k for r in rows for k in r)))
+    print(f"regression, FP32 AdamW: {[f'{v:.4e}' for v in fp32_reg]}")
     return rows
 
 
@@ -784,8 +1032,9 @@ def llama_layers(size):
 
 
 SECTIONS = {"overhead": section_overhead, "profile": section_profile, "kernels": section_kernels, "accum": section_accum, "linear": section_linear, "step": section_step,
-            "ns": section_ns, "ns_time": section_ns_time, "attention": section_attention}
-CPU_SECTIONS = {"ns"}  # sections that also run without a GPU
+            "ns": section_ns, "ns_time": section_ns_time, "attention": section_attention,
+            "optim": section_optim, "states": section_states}
+CPU_SECTIONS = {"ns", "states"}  # sections that also run without a GPU (numerics only)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -867,7 +1116,8 @@ def compare_runs(paths, out_png):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {list(SECTIONS)}, or fsdp")
+    ap.add_argument("--sections", default=",".join(s for s in SECTIONS if s not in CPU_SECTIONS),
+                    help=f"comma list of {list(SECTIONS)}, or fsdp (default: all but {sorted(CPU_SECTIONS)})")
     ap.add_argument("--out", default=None, help="folder for the JSON (default results/<gpu-name-slug>)")
     ap.add_argument("--tokens", type=int, default=16384, help="linear: tokens (rows of X)")
     ap.add_argument("--model", default="1b", help="step: a model.SIZES name")
@@ -884,6 +1134,10 @@ def main():
     ap.add_argument("--ns-sizes", default="30m,1b", help="ns: model.SIZES names whose block shapes to test")
     ap.add_argument("--momentum", nargs="*", default=[], metavar="CKPT",
                     help="ns: train.py checkpoints of Muon/ROOT runs whose momentum matrices to test")
+    ap.add_argument("--step-optimizers", default="adamw", help="step: comma list of optim.OPTIMIZERS (each variant with each)")
+    ap.add_argument("--step-loss-chunk", default="0", help="step: comma list of GPTConfig.loss_chunk values (0: whole logits)")
+    ap.add_argument("--optim-reps", type=int, default=5, help="optim: timed optimizer steps")
+    ap.add_argument("--states-lm", type=int, default=0, help="states: also train the tiny LM this many steps per format and seed (CPU: ~2 min a run)")
     ap.add_argument("--compare", nargs="+", default=None, metavar="SUMMARY_JSON",
                     help="no benchmark: plot these train.py summaries into one PNG (--out names it)")
     args = ap.parse_args()

@@ -1381,3 +1381,215 @@ template __global__ void dequant<1>(const u8*, const u8*, const float*, u32, u32
 template __global__ void dequant<2>(const u8*, const u8*, const float*, u32, u32, int, void*);
 #endif
 #endif  // FP4_HOST_EMU
+
+// ---------------------------------------------------------------------------------------------
+// AdamW with NVFP4 states (SPEC 8.1): optim._adamw_nvfp4_kernel launches it, twice per parameter
+// tensor; its twin is optim.adamw_nvfp4_reference between optim.dequantize_state and
+// optim.quantize_state, bit for bit.
+//   adamw_nvfp4<H, RNDM, RNDV, CLAMP, MEAN>  Dequantizes both states (code * E4M3 scale * tensor scale,
+//       inverse Hadamard-H, + the per-block mean of sqrt(v), clamp >= 0, square), updates m and v
+//       in FP32 (one rounding an operation, optim's order), projects m onto |m| <= C sqrt(v)
+//       (CLAMP), steps the parameter, and re-quantizes m and sqrt(v) - mean, rotated by H, to NVFP4
+//       absmax with roundings RNDM, RNDV (quant_group_nv, as fp4.quantize). The NVFP4 tensor scale needs
+//       the new states' amax first, so pass 1 recomputes the update and only max-reduces the two
+//       amaxes; pass 0 recomputes it (same bits) and writes the parameter, codes, scales, means and
+//       the two new tensor scales (to g_out: the old ones are still being read).
+//       A thread holds E = 32 consecutive elements (16 for H = 0 and 16 without the mean); a
+//       128-block of the mean spans 4 lanes, an H-block H / E (lane q), whose butterfly stages and
+//       mean sums go through shfl_xor_all. adamw_group is the per-thread math; it also builds as
+//       host C++ (FP4_HOST_EMU with FP4_HOST_EMU_ADAMW, whose harness brings shfl_xor_all):
+//       test_optim.py::test_host_emulation_adamw checks it against the reference on the CPU.
+#if !defined(FP4_HOST_EMU) || defined(FP4_HOST_EMU_ADAMW)
+
+struct AdamArgs {
+  u32 K;                    // the parameter's last dim (rows of the states' (R, K) view)
+  u8 *mc, *ms, *vc, *vs;    // m and sqrt(v) state codes (R, K/2) and scales (R, K/16), updated in place
+  const float *mg, *vg;     // their old tensor scales
+  float* vmean;             // (R, K/128) means of sqrt(v), updated in place, or null (no mean)
+  const float* g_new;       // pass 0: the new tensor scales [m, v]
+  u32* amax;                // pass 1: the new states' finite amax bits [m, v]
+  float b1, omb1, b2, omb2, clampc, bc2s, eps, neg_step, decay, hs;  // optim._nvfp4_scalars, 1/sqrt(H)
+  u32 seed_m, key_m, seed_v, key_v;  // SR seeds and key(seed, 0)
+  int pass;                 // 1: amax only; 0: write
+};
+
+template <int E>  // E dequantized elements of an NVFP4 state from element base on: (code * s) * g
+__device__ __forceinline__ void state_load(float (&x)[E], const u8* codes, const u8* scales, float g, u64 base) {
+  u32 w[E / 8];
+  if constexpr (E == 16) {
+    const uint2 t = *reinterpret_cast<const uint2*>(codes + base / 2);
+    w[0] = t.x; w[1] = t.y;
+  } else {
+    const uint4 t = *reinterpret_cast<const uint4*>(codes + base / 2);
+    w[0] = t.x; w[1] = t.y; w[2] = t.z; w[3] = t.w;
+  }
+#pragma unroll
+  for (int b = 0; b < E / 16; b++) {
+    const float s = e4m3_dec(scales[base / 16 + b]);
+#pragma unroll
+    for (int i = 0; i < 16; i++)
+      x[16 * b + i] = __fmul_rn(__fmul_rn(e2m1_dec((w[2 * b + i / 8] >> (4 * (i % 8))) & 15u), s), g);
+  }
+}
+
+#ifndef FP4_HOST_EMU  // the host emulation exchanges whole arrays between its lane threads
+template <int E>  // y[i] = x[i] of the lane whose index differs by m
+__device__ __forceinline__ void shfl_xor_all(float (&y)[E], const float (&x)[E], int m) {
+#pragma unroll
+  for (int i = 0; i < E; i++) y[i] = shfl_xor(x[i], m);
+}
+#endif
+
+// fp4._fwht on an H-block spread over H / E lanes: strides below E in the thread, the others with
+// the lane whose index differs in that bit (the lower element of a pair keeps a + b), then 1/sqrt(H).
+template <int E, int H>
+__device__ __forceinline__ void state_hadamard(float (&x)[E], float hs, u32 q) {
+#pragma unroll
+  for (int h = 1; h < (H < E ? H : E); h <<= 1) {
+#pragma unroll
+    for (int i = 0; i < E; i++) {
+      if (!(i & h)) {
+        const float a = x[i], b = x[i + h];
+        x[i] = __fadd_rn(a, b);
+        x[i + h] = __fsub_rn(a, b);
+      }
+    }
+  }
+#pragma unroll
+  for (int l = 1; l < H / E; l <<= 1) {
+    const bool upper = q & l;
+    float y[E];
+    shfl_xor_all<E>(y, x, l);
+#pragma unroll
+    for (int i = 0; i < E; i++) x[i] = upper ? __fsub_rn(y[i], x[i]) : __fadd_rn(x[i], y[i]);
+  }
+#pragma unroll
+  for (int i = 0; i < E; i++) x[i] = __fmul_rn(x[i], hs);
+}
+
+// The halving-tree sum of an H-block spread over H / E lanes (fp4._tree_sum), in every lane: the
+// stage j + H/2 pairs lanes q, q ^ (H/E/2), ... down to E; then the thread's own tree.
+template <int E, int H>
+__device__ __forceinline__ float state_block_sum(const float (&x)[E]) {
+  float t[E];
+#pragma unroll
+  for (int i = 0; i < E; i++) t[i] = x[i];
+#pragma unroll
+  for (int l = H / E / 2; l >= 1; l >>= 1) {
+    float y[E];
+    shfl_xor_all<E>(y, t, l);
+#pragma unroll
+    for (int i = 0; i < E; i++) t[i] = __fadd_rn(t[i], y[i]);
+  }
+  return tree_sum<E>(t);
+}
+
+__device__ __forceinline__ float state_tensor_scale(u32 amax_bits) {  // fp4._tensor_scale
+  const float a = __uint_as_float(amax_bits);
+  return a > 0.0f ? __fdiv_rn(a, 2688.0f) : 1.0f;  // amax / (6 * 448)
+}
+
+// One thread's E elements from element base on (lane q of its H-block): gr the gradient, x the
+// parameter (stepped in place in pass 0). valid = false: only feeds the lanes' shuffles.
+template <int E, int H, int RNDM, int RNDV, bool CLAMP, bool MEAN>
+__device__ __forceinline__ void adamw_group(const float (&gr)[E], float (&x)[E], const AdamArgs& a, u64 base,
+                                            u32 q, bool valid) {
+  constexpr int HB = 128;  // optim.MEAN_BLOCK
+  float m[E], v[E];
+  state_load<E>(m, a.mc, a.ms, *a.mg, base);
+  state_load<E>(v, a.vc, a.vs, *a.vg, base);
+  const float mu_old = MEAN ? a.vmean[base / HB] : 0.0f;
+  if constexpr (H > 0) {
+    state_hadamard<E, H>(m, a.hs, q);
+    state_hadamard<E, H>(v, a.hs, q);
+  }
+#pragma unroll
+  for (int i = 0; i < E; i++) {
+    m[i] = __fadd_rn(__fmul_rn(m[i], a.b1), __fmul_rn(gr[i], a.omb1));
+    float s = MEAN ? __fadd_rn(v[i], mu_old) : v[i];
+    s = s < 0.0f ? 0.0f : s;  // NaN stays NaN, as torch's clamp
+    const float vn = __fadd_rn(__fmul_rn(__fmul_rn(s, s), a.b2), __fmul_rn(__fmul_rn(gr[i], gr[i]), a.omb2));
+    v[i] = __fsqrt_rn(vn);  // from here on v holds sqrt(v)
+    if (CLAMP) {
+      const float bd = __fmul_rn(v[i], a.clampc);
+      m[i] = m[i] > bd ? bd : (m[i] < -bd ? -bd : m[i]);
+    }
+    if (a.pass == 0) {
+      const float u = __fdiv_rn(m[i], __fadd_rn(__fdiv_rn(v[i], a.bc2s), a.eps));
+      x[i] = __fadd_rn(__fmul_rn(x[i], a.decay), __fmul_rn(u, a.neg_step));
+    }
+  }
+  float mu = 0.0f;
+  if constexpr (MEAN) {
+    mu = __fmul_rn(state_block_sum<E, HB>(v), 1.0f / HB);
+#pragma unroll
+    for (int i = 0; i < E; i++) v[i] = __fsub_rn(v[i], mu);
+  }
+  if constexpr (H > 0) {
+    state_hadamard<E, H>(m, a.hs, q);
+    state_hadamard<E, H>(v, a.hs, q);
+  }
+  if (!valid) return;  // (the shuffles above ordered every lane's read of the old mean before the write)
+  const u32 orow = (u32)(base / a.K), ocol = (u32)(base % a.K);
+  QParams pm = {};
+  pm.pass = a.pass; pm.codes = a.mc; pm.scales = a.ms; pm.g = a.g_new; pm.amax = a.amax; pm.Kout = a.K;
+  pm.seed = a.seed_m; pm.key0 = a.key_m;
+  quant_group_nv<E, RULE_ABSMAX, RNDM>(m, pm, orow, ocol);
+  QParams pv = pm;
+  pv.codes = a.vc; pv.scales = a.vs; pv.g = a.g_new + 1; pv.amax = a.amax + 1; pv.seed = a.seed_v; pv.key0 = a.key_v;
+  quant_group_nv<E, RULE_ABSMAX, RNDV>(v, pv, orow, ocol);
+  if (MEAN && a.pass == 0 && q == 0) a.vmean[base / HB] = mu;
+}
+
+#ifndef FP4_HOST_EMU
+template <int H, int RNDM, int RNDV, bool CLAMP, bool MEAN>
+__global__ void __launch_bounds__(256) adamw_nvfp4(
+    float* __restrict__ p, const float* __restrict__ grad, u32 n, u32 K,
+    u8* mc, u8* ms, const float* mg, u8* vc, u8* vs, const float* vg, float* vmean,
+    float b1, float omb1, float b2, float omb2, float clampc, float bc2s, float eps, float neg_step,
+    float decay, float hs, u32 seed_m, u32 key_m, u32 seed_v, u32 key_v, int pass, u32* amax, float* g_out) {
+  constexpr int E = MEAN || H >= 32 ? 32 : 16;
+  constexpr int LANES = MEAN ? 128 / E : (H > E ? H / E : 1);  // lanes of a mean or Hadamard block
+  __shared__ float gsh[2];
+  if (pass == 0) {  // the new tensor scales, from pass 1's amaxes
+    if (threadIdx.x == 0) {
+      gsh[0] = state_tensor_scale(amax[0]);
+      gsh[1] = state_tensor_scale(amax[1]);
+      if (blockIdx.x == 0) { g_out[0] = gsh[0]; g_out[1] = gsh[1]; }
+    }
+    __syncthreads();
+  }
+  const AdamArgs a = {K, mc, ms, vc, vs, mg, vg, vmean, gsh, amax, b1, omb1, b2, omb2, clampc, bc2s, eps,
+                      neg_step, decay, hs, seed_m, key_m, seed_v, key_v, pass};
+  const u32 t = blockIdx.x * blockDim.x + threadIdx.x;
+  const bool valid = t < n;  // the rest of the last warp only feeds its lanes' shuffles
+  const u64 base = (u64)(valid ? t : 0) * E;
+  float gr[E], x[E];
+  load_dense<0, E>(gr, grad, base);
+  if (pass == 0) load_dense<0, E>(x, p, base);
+  adamw_group<E, H, RNDM, RNDV, CLAMP, MEAN>(gr, x, a, base, threadIdx.x & (LANES - 1), valid);
+  if (pass == 0 && valid) {
+    float4* dst = reinterpret_cast<float4*>(p + base);
+#pragma unroll
+    for (int i = 0; i < E / 4; i++) dst[i] = make_float4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3]);
+  }
+}
+
+#ifndef __CUDACC_RTC__  // for plain nvcc (CI's compile check); NVRTC instantiates what optim launches
+#define ADAMW_NVFP4_ARGS float*, const float*, u32, u32, u8*, u8*, const float*, u8*, u8*, const float*, float*, \
+  float, float, float, float, float, float, float, float, float, float, u32, u32, u32, u32, int, u32*, float*
+template __global__ void adamw_nvfp4<128, 1, 1, true, true>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<128, 0, 0, true, true>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<128, 1, 0, true, true>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<64, 1, 1, true, true>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<32, 1, 1, true, true>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<16, 1, 1, true, true>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<0, 1, 1, true, false>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<0, 0, 0, true, false>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<0, 1, 0, true, false>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<0, 1, 1, true, true>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<128, 1, 1, false, true>(ADAMW_NVFP4_ARGS);
+#undef ADAMW_NVFP4_ARGS
+#endif
+#endif  // FP4_HOST_EMU
+#endif  // !FP4_HOST_EMU || FP4_HOST_EMU_ADAMW

@@ -40,6 +40,7 @@ class GPTConfig:
     lora_rank: int = 0        # fullstack: rank of each block linear's BF16 part (SPEC 8.4);
                               # 0: fp4.lora_rank_for's rule (n_embd / 16), -1: none (ablation)
     attention: str = 'bf16'   # one of ATTENTIONS
+    loss_chunk: int = 0       # > 0: cross-entropy over the lm_head this many tokens at a time
 
     def __post_init__(self):
         if self.n_kv_head == 0:
@@ -211,13 +212,18 @@ class GPT(nn.Module):
         if targets is None:
             # inference: only the last position's logits are needed
             return self.lm_head(x[:, [-1], :]), None
+        if self.config.loss_chunk:  # the (B, T, vocab_size) logits are never whole: no logits returned
+            loss = chunked_cross_entropy(x.view(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
+                                         self.config.loss_chunk)
+            return None, loss
         logits = self.lm_head(x)  # (B, T, vocab_size)
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
                                ignore_index=-1)
         return logits, loss
 
     def configure_optimizers(self, weight_decay, learning_rate, betas):
-        # decay matrices (linears, embeddings); not norms, biases or other 1-d params
+        # decay matrices (linears, embeddings); not norms, biases or other 1-d params. train.py
+        # builds its optimizers through optim.build (adamw, adamw_fp4, muon, root, root_fp4)
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [
             {'params': [p for p in params if p.dim() >= 2], 'weight_decay': weight_decay},
@@ -306,6 +312,54 @@ def _pad_rows(layer, args):
 def _unpad_rows(layer, args, y):
     shape, pad = layer._padded_from          # y: (rows + pad, out_features)
     return y[:y.size(0) - pad].view(*shape[:-1], y.size(-1))
+# cross-entropy over the lm_head in chunks of tokens
+
+class ChunkedLMHeadLoss(torch.autograd.Function):
+    """Mean cross-entropy of the logits x W^T against targets (ignore_index -1), `chunk` rows of x
+    at a time: the forward keeps only the loss, the backward recomputes each chunk's logits. The
+    numerics of lm_head + F.cross_entropy(logits.float()): logits in the autocast dtype (BF16), the
+    softmax in FP32, the logits' gradient rounded to the logits' dtype, dW summed in FP32."""
+
+    @staticmethod
+    def forward(ctx, x, w, targets, chunk, dt):  # x (N, C), w (V, C), targets (N,); dt: the logits' dtype
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        for s in range(0, x.size(0), chunk):
+            logits, t, valid = _chunk_logits(x, w, targets, s, chunk, dt)  # (n, V) FP32
+            picked = logits.gather(1, t.unsqueeze(1)).squeeze(1)
+            total = total + ((torch.logsumexp(logits, -1) - picked) * valid).sum()
+        count = (targets != -1).sum()
+        ctx.save_for_backward(x, w, targets, count)
+        ctx.chunk, ctx.dt = chunk, dt
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, targets, count = ctx.saved_tensors
+        dx, dw = torch.empty_like(x), torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        wd = w.to(ctx.dt)
+        scale = grad / count
+        for s in range(0, x.size(0), ctx.chunk):
+            logits, t, valid = _chunk_logits(x, w, targets, s, ctx.chunk, ctx.dt)
+            d = torch.softmax(logits, -1)  # d loss / d logits = (softmax - onehot) / count
+            d[torch.arange(d.size(0), device=d.device), t] -= 1
+            d = (d * (valid * scale).unsqueeze(1)).to(ctx.dt)
+            dx[s:s + ctx.chunk] = (d @ wd).to(x.dtype)
+            dw += (d.t() @ x[s:s + ctx.chunk].to(ctx.dt)).float()
+        return dx, dw.to(w.dtype), None, None, None
+
+def _chunk_logits(x, w, targets, s, chunk, dt):
+    """FP32 logits of rows s .. s + chunk (computed in dt, as autocast's lm_head), their targets
+    (ignored ones as 0) and the valid mask."""
+    t = targets[s:s + chunk]
+    logits = (x[s:s + chunk].to(dt) @ w.to(dt).t()).float()
+    return logits, t.clamp(min=0), (t != -1).float()
+
+def chunked_cross_entropy(x, w, targets, chunk):
+    """F.cross_entropy(x @ w.T, targets, ignore_index=-1) without the whole (N, V) logits."""
+    dev = x.device.type
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(x.dtype, w.dtype)
+    with torch.autocast(dev, enabled=False):  # the Function casts as autocast would
+        return ChunkedLMHeadLoss.apply(x, w, targets, chunk, dt)
 
 # -----------------------------------------------------------------------------
 # FP4 recipes

@@ -10,6 +10,7 @@ import math
 import torch
 
 import fp4
+import kernels
 
 # ---------------------------------------------------------------------------------------------
 # FP4 optimizer states (SPEC 8.1): the quantizer every optimizer here stores its states with
@@ -18,23 +19,407 @@ import fp4
 #   quantize_state(x, kind, seed) -> an object holding the packed state (kind 'signed' for a first
 #       moment / momentum, 'sqrt' for a second moment stored as sqrt(v)); it is what state_dict()
 #       holds; dequantize_state(s) -> FP32 tensor of x's shape; state_nbytes(s) -> bytes it holds.
-# PLACEHOLDER until the AdamW-FP4 work lands: an FP32 copy (no quantization).
+#
+# The packed state is a plain dict (so torch.save / torch.load(weights_only=True) take it):
+#   format 'nvfp4', kind, shape (x's), hadamard n, rounding, mean_over (the mean's granularity);
+#   codes uint8 (R, K/2) and scales uint8 (R, K/16) of fp4.quantize's NVFP4 QTensor of the (R, K)
+#   view (K = x's last dim), tensor_scale FP32 0-d; 'sqrt' also holds mean, FP32: (R, K/128) per
+#   128-block, (R, 1) per row or (1, 1) per tensor (none: a zero (1, 1)).
+# Tensors that stay FP32 (quantizable() is False: fewer than 2 dims, under STATE_MIN_NUMEL
+# elements, last dim not divisible by 16, the Hadamard size or the mean's block) are an FP32
+# tensor instead of a dict.
+#
+# 'signed' (m):  q = NVFP4(x H);                 x' = dequantize(q) H
+# 'sqrt'   (v):  s = sqrt(v), mu = mean(s),      v' = (clamp(dequantize(q) H + mu, min=0))^2
+#                q = NVFP4((s - mu) H)
+# H is the blockwise Hadamard of fp4.hadamard (symmetric, H H = I up to FP32 rounding). The mean
+# per 128-block is a halving-tree sum (fp4._tree_sum) times 1/128, as a kernel adds it.
+# Defaults decided by measurement (README "Optimizer states in FP4 (optim.py)"; python bench.py
+# --sections states): no Hadamard and no mean (both cost update accuracy: Adam divides each element
+# by its own sqrt(v), and a rotation or a mean spreads a block's error onto its small elements),
+# stochastic rounding for m (RN stalls an EMA), round to nearest for sqrt(v) (SR's noise, squared,
+# biases v up).
+
+STATE_HADAMARD = 0
+STATE_ROUNDING = ("sr", "rn")  # (m, v)
+STATE_MEAN = "none"
+MEAN_BLOCK = 128  # mean 'block': one FP32 mean of sqrt(v) per 128 elements (0.031 B/param)
+STATE_MIN_NUMEL = 4096  # smaller tensors (biases, norms, tiny layers) stay FP32: bytes negligible
+STATE_KINDS = ("signed", "sqrt")
+STATE_MEANS = ("block", "row", "tensor", "none")
 
 
-def quantize_state(x, kind="signed", seed=0):
-    return x.detach().float().clone()
+def quantizable(shape, hadamard=STATE_HADAMARD, mean="none"):
+    """Whether a state of this shape is stored in NVFP4 (else FP32): its last dim must hold whole
+    NVFP4 blocks, Hadamard blocks and (mean 'block') mean blocks."""
+    n = max(hadamard, 16, MEAN_BLOCK if mean == "block" else 0)
+    return len(shape) >= 2 and math.prod(shape) >= STATE_MIN_NUMEL and shape[-1] % n == 0
+
+
+def quantize_state(x, kind="signed", seed=0, rounding=None, hadamard=STATE_HADAMARD, mean=STATE_MEAN):
+    """x (FP32 state, any shape) -> the packed state (a dict), or an FP32 copy if x stays FP32.
+    kind 'signed': x itself (a first moment); 'sqrt': x is a second moment v >= 0, stored as
+    sqrt(v) minus its mean. seed drives stochastic rounding (rounding='sr'): use a fresh one at
+    every call (AdamW derives it from the step and the parameter). rounding None: STATE_ROUNDING's
+    choice for the kind."""
+    if rounding is None and kind in STATE_KINDS:
+        rounding = STATE_ROUNDING[kind == "sqrt"]
+    _check_state_args(x, kind, rounding, hadamard, mean)
+    if not quantizable(tuple(x.shape), hadamard, mean if kind == "sqrt" else "none"):
+        return x.detach().float().clone()
+    k = x.shape[-1]
+    x2 = x.detach().float().reshape(-1, k)  # (R, K)
+    packed = dict(format="nvfp4", kind=kind, shape=tuple(x.shape), hadamard=hadamard,
+                  rounding=rounding, mean_over=mean if kind == "sqrt" else "none")
+    if kind == "sqrt":
+        x2 = sqrt_rn(x2)
+        mu = _state_mean(x2, mean)
+        x2 = _sub_mean(x2, mu)
+        packed["mean"] = mu
+    q = fp4.quantize(x2, "nvfp4", rounding=rounding, hadamard=hadamard, seed=seed)
+    packed.update(codes=q.codes, scales=q.scales, tensor_scale=q.tensor_scale)
+    return packed
 
 
 def dequantize_state(s):
-    return s
+    """The packed state -> FP32 tensor of the original shape (an FP32 state: itself)."""
+    if isinstance(s, torch.Tensor):
+        return s
+    shape, n = s["shape"], s["hadamard"]
+    k = shape[-1]
+    r = math.prod(shape) // k
+    q = fp4.QTensor(s["codes"], s["scales"], s["tensor_scale"], "nvfp4", (r, k), 1)
+    x2 = fp4.dequantize(q)  # (R, K), rotated
+    if n:
+        x2 = fp4.hadamard(x2, n)  # H H = I: back to the state's own basis
+    if s["kind"] == "sqrt":
+        x2 = _add_mean(x2, s["mean"]).clamp_(min=0)  # a negative sqrt(v) would divide by eps
+        x2 = x2 * x2
+    return x2.view(shape)
 
 
 def state_nbytes(s):
-    return s.numel() * s.element_size()
+    """Bytes a state holds: codes, scales, tensor scale, mean (or the FP32 tensor)."""
+    if isinstance(s, torch.Tensor):
+        return s.numel() * s.element_size()
+    return sum(t.numel() * t.element_size() for t in s.values() if isinstance(t, torch.Tensor))
+
+
+def sqrt_rn(x):
+    """FP32 square root, correctly rounded on every device (through FP64: the double rounding is
+    exact for sqrt). torch's CPU float sqrt is not: 17% of random inputs came out 1 ulp off on this
+    build (AVX512), which a kernel's __fsqrt_rn would not reproduce."""
+    return torch.sqrt(x.double()).float()
+
+
+def is_packed(s):
+    return isinstance(s, dict) and s.get("format") == "nvfp4"
+
+
+def _check_state_args(x, kind, rounding, hadamard, mean):
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"quantize_state takes a floating-point tensor, got "
+                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if kind not in STATE_KINDS:
+        raise ValueError(f"unknown state kind {kind!r}; allowed: {STATE_KINDS}")
+    if rounding not in ("rn", "sr"):
+        raise ValueError(f"state rounding must be 'rn' or 'sr', got {rounding!r}")
+    if hadamard not in (0,) + fp4.HADAMARD_SIZES:
+        raise ValueError(f"state hadamard must be 0 or one of {fp4.HADAMARD_SIZES}, got {hadamard!r}")
+    if kind == "sqrt" and mean not in STATE_MEANS:
+        raise ValueError(f"state mean must be one of {STATE_MEANS}, got {mean!r}")
+
+
+def _state_mean(s, mean):
+    """Mean of sqrt(v) (R, K): per MEAN_BLOCK elements (R, K/128) as a halving-tree sum, per row
+    (R, 1), per tensor (1, 1), or none (a zero (1, 1))."""
+    if mean == "block":
+        return fp4._tree_sum(s.view(s.shape[0], -1, MEAN_BLOCK)) * (1.0 / MEAN_BLOCK)
+    if mean == "row":
+        return s.mean(-1, keepdim=True)
+    if mean == "tensor":
+        return s.mean().view(1, 1)
+    return s.new_zeros(1, 1)
+
+
+def _sub_mean(s, mu):
+    if mu.shape[-1] > 1:  # per block: (R, K/128, 128) - (R, K/128, 1)
+        return (s.view(s.shape[0], -1, MEAN_BLOCK) - mu.unsqueeze(-1)).view(s.shape)
+    return s - mu
+
+
+def _add_mean(d, mu):
+    if mu.shape[-1] > 1:
+        return (d.view(d.shape[0], -1, MEAN_BLOCK) + mu.unsqueeze(-1)).view(d.shape)
+    return d + mu
 
 
 # ---------------------------------------------------------------------------------------------
 # AdamW (SPEC 8.1)
+#
+# The update is torch.optim.AdamW's (Loshchilov & Hutter, decoupled weight decay; Kingma & Ba's
+# bias correction):  p <- p (1 - lr wd) - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+# with m <- b1 m + (1 - b1) g and v <- b2 v + (1 - b2) g^2.
+# state='fp32' runs torch's own ops in torch's order: the same numbers as torch.optim.AdamW with
+# foreach=False. state='nvfp4' dequantizes both states, updates them in FP32 (one rounding per
+# operation, the order a kernel follows), steps the parameter and re-quantizes (quantize_state).
+#
+# The eps blow-up (SPEC 8.1): exact AdamW has |m_t| <= C_t sqrt(v_t) for every element, by
+# Cauchy-Schwarz on m_t = (1 - b1) sum_k b1^k g_(t-k) against v_t = (1 - b2) sum_k b2^k g_(t-k)^2:
+#     C_t = (1 - b1) / sqrt(1 - b2) * sqrt(sum_(k<t) (b1^2 / b2)^k),
+# so no element of its update exceeds U_t = lr C_t sqrt(1 - b2^t) / (1 - b1^t) (1 at t = 1, 1.165
+# for t -> inf at betas (0.9, 0.95)). Quantized states break the invariant: a block's error in m
+# over a sqrt(v) rebuilt as ~0 gives m / eps. With ratio_clamp the FP4 path projects m back onto
+# |m| <= C_t sqrt(v) (a no-op on exact states), so its updates obey the same bound U_t.
+
+STATE_FORMATS = ("fp32", "nvfp4")
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW with FP32 or NVFP4 states. lr, betas, eps, weight_decay: as torch's. state: 'fp32' or
+    'nvfp4'. The NVFP4 options: rounding ('rn', 'sr' or a pair: m's, v's), hadamard and mean (as
+    quantize_state's), ratio_clamp (the eps blow-up guard above). seed: the base of the SR seeds,
+    a pure function of (seed, step, parameter index, state), so resumed runs repeat exactly.
+    fused: None uses the fused GPU kernel where it applies, False never (the PyTorch reference),
+    True requires it. Every option can be set per param group; tensors quantizable() rejects keep
+    FP32 states under 'nvfp4'."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, state="fp32",
+                 rounding=STATE_ROUNDING, hadamard=STATE_HADAMARD, mean=STATE_MEAN, ratio_clamp=True,
+                 seed=0, fused=None):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state=state,
+                        rounding=rounding, hadamard=hadamard, mean=mean, ratio_clamp=ratio_clamp,
+                        fused=fused)
+        self.seed = int(seed)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_group(group, len(self.param_groups) - 1)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        index = -1
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                index += 1  # the parameter's position over all groups: part of its SR seeds
+                if p.grad is None:
+                    continue
+                _check_grad(p, gi)
+                st = self.state[p]
+                if not st:
+                    _init_state(p, st, group)
+                st["step"] += 1
+                if is_packed(st["exp_avg"]):
+                    seeds = _state_seeds(self.seed, int(st["step"].item()), index)
+                    _adamw_nvfp4(p, st, group, seeds)
+                else:
+                    _adamw_fp32(p, st, group)
+        return loss
+
+    @torch.no_grad()
+    def init_state(self):
+        """Allocate every parameter's state now (step() does it lazily): for memory accounting,
+        e.g. state_bytes() of a model built on the meta device."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not self.state[p]:
+                    _init_state(p, self.state[p], group)
+
+    def load_state_dict(self, state_dict):
+        """torch's, but packed FP4 states keep their dtypes (torch casts every tensor of a state to
+        the parameter's dtype: uint8 codes would become floats) and move to the parameter's device."""
+        saved = state_dict["state"]
+        packed = {k: {n: v for n, v in s.items() if is_packed(v)} for k, s in saved.items()}
+        plain = {k: {n: v for n, v in s.items() if not is_packed(v)} for k, s in saved.items()}
+        super().load_state_dict({**state_dict, "state": plain})
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params):
+            for name, s in packed.get(i, {}).items():
+                self.state[p][name] = {f: v.to(p.device, copy=True) if isinstance(v, torch.Tensor) else v
+                                       for f, v in s.items()}
+
+
+def _check_group(group, gi):
+    where = f"param group {gi}"
+    for name in ("lr", "eps", "weight_decay"):
+        if not (isinstance(group[name], (int, float)) and group[name] >= 0):
+            raise ValueError(f"{where}: {name} must be a number >= 0, got {group[name]!r}")
+    betas = group["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0 <= b < 1 for b in betas)):
+        raise ValueError(f"{where}: betas must be two numbers in [0, 1), got {betas!r}")
+    if group["state"] not in STATE_FORMATS:
+        raise ValueError(f"{where}: unknown state format {group['state']!r}; allowed: {STATE_FORMATS}")
+    if group["fused"] not in (None, True, False):
+        raise ValueError(f"{where}: fused must be None, True or False, got {group['fused']!r}")
+    for rounding in _roundings(group):
+        _check_state_args(torch.zeros(1), "sqrt", rounding, group["hadamard"], group["mean"])
+    for i, p in enumerate(group["params"]):
+        if not p.is_floating_point() or p.is_complex():
+            raise TypeError(f"{where}, parameter {i}: AdamW needs real floating-point parameters, got {p.dtype}")
+
+
+def _roundings(group):
+    """(m's, v's) rounding: group['rounding'] is one of 'rn', 'sr' or a pair of them."""
+    r = group["rounding"]
+    if isinstance(r, str):
+        return r, r
+    if isinstance(r, (tuple, list)) and len(r) == 2:
+        return tuple(r)
+    raise ValueError(f"rounding must be 'rn', 'sr' or a pair (m, v) of them, got {r!r}")
+
+
+def _check_grad(p, gi):
+    if p.grad.is_sparse:
+        raise TypeError(f"param group {gi}: AdamW does not support sparse gradients "
+                        f"(parameter of shape {tuple(p.shape)}); use torch.optim.SparseAdam")
+    if p.grad.shape != p.shape:
+        raise ValueError(f"param group {gi}: gradient of shape {tuple(p.grad.shape)} for a parameter "
+                         f"of shape {tuple(p.shape)}")
+
+
+def _init_state(p, st, group):
+    st["step"] = torch.tensor(0.0)  # a CPU FP32 tensor, as torch.optim.AdamW keeps it
+    if group["state"] == "nvfp4" and quantizable(tuple(p.shape), group["hadamard"], group["mean"]):
+        st["exp_avg"] = zero_state(p.shape, "signed", group, p.device)
+        st["exp_avg_sq"] = zero_state(p.shape, "sqrt", group, p.device)
+    else:
+        st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def zero_state(shape, kind, group, device):
+    """quantize_state(zeros) without quantizing: zero codes and scales, tensor scale 1 (fp4's
+    rule for an all-zero tensor), zero means."""
+    k, n, mean = shape[-1], group["hadamard"], group["mean"]
+    r = math.prod(shape) // k
+    u8 = dict(dtype=torch.uint8, device=device)
+    s = dict(format="nvfp4", kind=kind, shape=tuple(shape), hadamard=n, rounding=_roundings(group)[kind == "sqrt"],
+             mean_over=mean if kind == "sqrt" else "none", codes=torch.zeros(r, k // 2, **u8),
+             scales=torch.zeros(r, k // 16, **u8), tensor_scale=torch.ones((), device=device))
+    if kind == "sqrt":
+        cols = k // MEAN_BLOCK if mean == "block" else 1
+        s["mean"] = torch.zeros(1 if mean in ("tensor", "none") else r, cols, device=device)
+    return s
+
+
+def _state_seeds(base, step, index):
+    """SR seeds of a parameter's two states at a step: distinct per (base, step, index, state)."""
+    h = fp4._lowbias32_py(fp4._lowbias32_py(base + 0x9E3779B9 * step) ^ (0x632BE5AB * (index + 1)))
+    return h, fp4._lowbias32_py(h ^ 0x5851F42D)
+
+
+def _adamw_fp32(p, st, group):
+    """torch.optim.AdamW's single-tensor step, op for op."""
+    lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    t = st["step"].item()
+    m, v, g = st["exp_avg"], st["exp_avg_sq"], p.grad
+    if wd != 0:
+        p.mul_(1 - lr * wd)
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    denom = (v.sqrt() / (1 - b2**t) ** 0.5).add_(eps)
+    p.addcdiv_(m, denom, value=-lr / (1 - b1**t))
+
+
+def ratio_bound(betas, t):
+    """C_t: |m_t| <= C_t sqrt(v_t) for exact AdamW states after t steps (the comment above)."""
+    b1, b2 = betas
+    r = b1 * b1 / b2
+    series = t if r == 1 else (1 - r**t) / (1 - r)
+    return (1 - b1) / math.sqrt(1 - b2) * math.sqrt(series)
+
+
+def update_bound(lr, betas, t):
+    """U_t: no element of exact AdamW's step t moves by more than this (weight decay aside)."""
+    b1, b2 = betas
+    return lr * ratio_bound(betas, t) * math.sqrt(1 - b2**t) / (1 - b1**t)
+
+
+def _f32(x):
+    return float(torch.tensor(x, dtype=torch.float32))  # a Python number rounded to FP32
+
+
+def _nvfp4_scalars(group, t):
+    """The FP32 scalars of one NVFP4 step (the kernel takes the same values)."""
+    lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    clamp = ratio_bound((b1, b2), t) if group["ratio_clamp"] else math.inf
+    return dict(b1=_f32(b1), omb1=_f32(1 - b1), b2=_f32(b2), omb2=_f32(1 - b2), clamp=_f32(clamp),
+                bc2_sqrt=_f32((1 - b2**t) ** 0.5), eps=_f32(eps), neg_step=_f32(-lr / (1 - b1**t)),
+                decay=_f32(1 - lr * wd))
+
+
+def _adamw_nvfp4(p, st, group, seeds):
+    t = int(st["step"].item())
+    c = _nvfp4_scalars(group, t)
+    if _use_kernel(p, st, group):
+        return _adamw_nvfp4_kernel(p, st, group, c, seeds)
+    m, v = adamw_nvfp4_reference(p, dequantize_state(st["exp_avg"]), dequantize_state(st["exp_avg_sq"]), c)
+    rm, rv = _roundings(group)
+    st["exp_avg"] = quantize_state(m, "signed", seeds[0], rounding=rm, hadamard=group["hadamard"])
+    st["exp_avg_sq"] = quantize_state(v, "sqrt", seeds[1], rounding=rv, hadamard=group["hadamard"], mean=group["mean"])
+
+
+def adamw_nvfp4_reference(p, m, v, c):
+    """One FP32 AdamW step on dequantized states m, v (the fused kernel's twin): updates p in place
+    and returns the new FP32 m, v. Every operation rounds once, in this order."""
+    g = p.grad.float()
+    m = m * c["b1"] + g * c["omb1"]
+    v = v * c["b2"] + (g * g) * c["omb2"]
+    sv = sqrt_rn(v)
+    if math.isfinite(c["clamp"]):  # |m| <= C_t sqrt(v), the exact-AdamW invariant
+        bound = sv * c["clamp"]  # where(), not min/max: the same signed zeros on every device
+        m = torch.where(m > bound, bound, torch.where(m < -bound, -bound, m))
+    u = m / (sv / fp4._full(sv, c["bc2_sqrt"]) + c["eps"])  # true divisions (not x * (1/y))
+    p.copy_(p.float() * c["decay"] + u * c["neg_step"])
+    return m, v
+
+
+# The fused GPU path: kernels.cu's adamw_nvfp4, launched twice per parameter tensor through
+# kernels.launch (pass 1: the new states' amaxes for the NVFP4 tensor scales; pass 0: everything else).
+
+def _use_kernel(p, st, group):
+    """Whether this parameter's NVFP4 step runs fused (group['fused']: None = where it applies). The
+    kernel reads and writes the group's format; a state stored in another (the group changed since)
+    goes through the reference, which reads the stored one."""
+    if group["fused"] is False:
+        return False
+    ok = (p.is_cuda and fp4.kernels_enabled() and p.dtype == torch.float32 and p.grad.dtype == torch.float32
+          and kernels._aligned(p) and kernels._aligned(p.grad) and group["mean"] in ("block", "none")
+          and st["exp_avg"]["hadamard"] == group["hadamard"] and st["exp_avg_sq"]["mean_over"] == group["mean"])
+    if group["fused"] and not ok:
+        raise ValueError("fused=True needs FP32 contiguous CUDA parameters and gradients, CuPy, and "
+                         f"mean 'block' or 'none'; got {p.dtype} on {p.device}, mean {group['mean']!r}")
+    return ok
+
+
+def _adamw_nvfp4_kernel(p, st, group, c, seeds):
+    import numpy as np
+    m, v = st["exp_avg"], st["exp_avg_sq"]
+    h = group["hadamard"]
+    mean = v["mean_over"] == "block"
+    e = 32 if mean or h >= 32 else 16  # elements a thread (kernels.cu's E)
+    n = p.numel() // e
+    amax = torch.zeros(2, dtype=torch.int32, device=p.device)
+    g_new = torch.empty(2, dtype=torch.float32, device=p.device)
+    rm, rv = _roundings(group)
+    name = (f"adamw_nvfp4<{h}, {int(rm == 'sr')}, {int(rv == 'sr')}, {str(math.isfinite(c['clamp'])).lower()}, "
+            f"{str(mean).lower()}>")
+    ptr = kernels._ptr
+    scalars = [np.float32(c[k]) for k in ("b1", "omb1", "b2", "omb2", "clamp", "bc2_sqrt", "eps", "neg_step", "decay")]
+    head = (ptr(p), ptr(p.grad), np.uint32(n), np.uint32(p.shape[-1]), ptr(m["codes"]), ptr(m["scales"]),
+            ptr(m["tensor_scale"]), ptr(v["codes"]), ptr(v["scales"]), ptr(v["tensor_scale"]),
+            ptr(v["mean"] if mean else None), *scalars, np.float32(fp4._hadamard_scale(h) if h else 0.0),
+            np.uint32(seeds[0]), np.uint32(fp4.hash_key(seeds[0])), np.uint32(seeds[1]), np.uint32(fp4.hash_key(seeds[1])))
+    for pass_ in (1, 0):
+        kernels.launch(p.device, name, (-(-n // 256),), (256,), head + (np.int32(pass_), ptr(amax), ptr(g_new)))
+    m["tensor_scale"], v["tensor_scale"] = g_new[0], g_new[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,7 +777,7 @@ def build(model, name, lr=1.5e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
     hidden, rest = _split_params(model)
     if name in ("adamw", "adamw_fp4"):
         return _adamw(_decay_groups(hidden + rest, weight_decay), lr, betas, eps, fp4_state=name == "adamw_fp4")
-    adamw = _adamw(_decay_groups(rest, weight_decay), lr, betas, eps, fp4_state=False)  # MERGE HOOK: root_fp4 -> True
+    adamw = _adamw(_decay_groups(rest, weight_decay), lr, betas, eps, fp4_state=name == "root_fp4")
     if name == "torch_muon":
         muon = torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
     else:
@@ -422,12 +807,9 @@ def _decay_groups(params, weight_decay):
 
 
 def _adamw(groups, lr, betas, eps, fp4_state):
-    """build()'s AdamW. MERGE HOOK: with the AdamW section merged, fp4_state=True builds
-    AdamW(groups, lr, betas, eps, state='nvfp4') and root_fp4 passes fp4_state=True; until then
-    there is only torch's FP32 AdamW, and adamw_fp4 refuses rather than silently run FP32 states."""
+    """build()'s AdamW: torch's (fused, FP32 states), or this file's with NVFP4 states (SPEC 8.1)."""
     if fp4_state:
-        raise NotImplementedError("adamw_fp4 needs optim.AdamW(state='nvfp4') (the FP4-state section); "
-                                  "not merged on this branch")
+        return AdamW(groups, lr=lr, betas=betas, eps=eps, state="nvfp4")
     fused = all(p.device.type in ("cuda", "cpu") for g in groups for p in g["params"])
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
 
@@ -442,6 +824,10 @@ class Optimizers:
     @property
     def param_groups(self):
         return [g for o in self.parts for g in o.param_groups]
+
+    @property
+    def state(self):  # every part's per-parameter state (state_bytes reads it)
+        return {p: st for o in self.parts for p, st in o.state.items()}
 
     def step(self, closure=None):
         loss = closure() if closure is not None else None
@@ -462,3 +848,23 @@ class Optimizers:
             raise ValueError(f"optimizer state is for {sd.get('kinds')}, this optimizer is {kinds}")
         for o, s in zip(self.parts, sd["parts"]):
             o.load_state_dict(s)
+
+
+def state_bytes(optimizer):
+    """Bytes the optimizer's state holds (every tensor in optimizer.state; packed FP4 states by
+    their codes, scales, tensor scales and means; tensor subclasses such as torchao's quantized
+    states by their inner tensors). Parameters and gradients are not counted."""
+    return sum(_value_bytes(v) for st in optimizer.state.values() for v in st.values())
+
+
+def _value_bytes(v):
+    if is_packed(v):
+        return state_nbytes(v)
+    if isinstance(v, torch.Tensor):
+        if type(v) is not torch.Tensor and hasattr(v, "__tensor_flatten__"):
+            names, _ = v.__tensor_flatten__()
+            return sum(_value_bytes(getattr(v, n)) for n in names)
+        return v.numel() * v.element_size()
+    if isinstance(v, dict):
+        return sum(_value_bytes(x) for x in v.values())
+    return 0

@@ -7,9 +7,565 @@ import torch
 
 import fp4
 import optim
+from bench import regression_loss
+from test_fp4 import assert_same, first_mismatches
 
 # ---------------------------------------------------------------------------------------------
 # FP4 states and AdamW
+
+HAS_GPU = torch.cuda.is_available() and fp4.kernels_enabled()
+gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device and CuPy")
+
+
+def heavy_grads(shape, steps, seed=0, scale=1e-4, df=2.0):
+    """Student-t gradients (heavy-tailed: df 2 has no variance) with log-normal row scales (rows
+    of a layer differ by orders of magnitude), one (steps, *shape) tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.exp(2.0 * torch.randn(shape[0], 1, generator=gen))
+    chi = torch.distributions.Chi2(torch.tensor(df))
+    torch.manual_seed(seed)
+    z = torch.randn(steps, *shape, generator=gen)
+    return z / torch.sqrt(chi.sample((steps, *shape)) / df) * rows * scale
+
+
+def exact_moments(grads, betas=(0.9, 0.95)):
+    """FP32 AdamW's m and v after the gradient sequence."""
+    m, v = torch.zeros_like(grads[0]), torch.zeros_like(grads[0])
+    for g in grads:
+        m.lerp_(g, 1 - betas[0])
+        v.mul_(betas[1]).addcmul_(g, g, value=1 - betas[1])
+    return m, v
+
+
+def params_like(shapes, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+
+
+SHAPES = [(64, 256), (256,), (8, 16), (4, 32, 128)]
+
+
+def test_fp32_state_matches_torch_adamw():
+    """state='fp32' is torch.optim.AdamW: bit for bit against its single-tensor path, and to FP32
+    rounding against its default (foreach) path; two groups, lr changed between steps."""
+    ours, ref, ref_foreach = params_like(SHAPES), params_like(SHAPES), params_like(SHAPES)
+    groups = lambda ps: [dict(params=ps[:2], weight_decay=0.1), dict(params=ps[2:], weight_decay=0.0)]  # noqa: E731
+    opts = [optim.AdamW(groups(ours), lr=1e-2),
+            torch.optim.AdamW(groups(ref), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False),
+            torch.optim.AdamW(groups(ref_foreach), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)]
+    gen = torch.Generator().manual_seed(1)
+    for step in range(6):
+        grads = [torch.randn(p.shape, generator=gen) for p in ours]
+        for opt, ps in zip(opts, (ours, ref, ref_foreach)):
+            for group in opt.param_groups:
+                group["lr"] = 1e-2 / (step + 1)
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            opt.step()
+    for a, b, c in zip(ours, ref, ref_foreach):
+        assert_same(a.detach(), b.detach())
+        torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-7)
+
+
+def test_state_layout_and_fp32_fallback():
+    """Packed states hold fp4.quantize's NVFP4 layout; 1-D, small and indivisible tensors stay FP32;
+    zero_state is quantize_state(zeros) without quantizing."""
+    x = torch.randn(32, 256)
+    s = optim.quantize_state(x, "sqrt", seed=3)
+    assert optim.is_packed(s)
+    assert s["codes"].dtype == torch.uint8 and s["codes"].shape == (32, 128)
+    assert s["scales"].dtype == torch.uint8 and s["scales"].shape == (32, 16)
+    assert s["tensor_scale"].dtype == torch.float32 and s["tensor_scale"].shape == ()
+    assert s["mean"].dtype == torch.float32
+    assert optim.dequantize_state(s).shape == x.shape
+    for shape in [(4096,), (8, 256), (64, 72)]:  # 1-D; under STATE_MIN_NUMEL; 72 % 16 != 0
+        small = torch.randn(shape)
+        kept = optim.quantize_state(small, "signed")
+        assert isinstance(kept, torch.Tensor) and kept.dtype == torch.float32 and torch.equal(kept, small)
+        assert not optim.quantizable(shape)
+    group = dict(hadamard=optim.STATE_HADAMARD, mean=optim.STATE_MEAN, rounding=optim.STATE_ROUNDING)
+    for kind in optim.STATE_KINDS:
+        z = optim.zero_state((4, 32, 128), kind, group, "cpu")
+        q = optim.quantize_state(torch.zeros(4, 32, 128), kind)
+        assert z.keys() == q.keys()
+        for k in z:
+            if isinstance(z[k], torch.Tensor):
+                assert_same(z[k], q[k].reshape(z[k].shape))
+            else:
+                assert z[k] == q[k], k
+        assert torch.equal(optim.dequantize_state(z), torch.zeros(4, 32, 128))
+
+
+def test_state_nbytes_counts_the_packed_layout():
+    r, k = 64, 512
+    n = optim.STATE_HADAMARD
+    m = optim.quantize_state(torch.randn(r, k), "signed")
+    v = optim.quantize_state(torch.rand(r, k), "sqrt")
+    assert optim.state_nbytes(m) == r * k // 2 + r * k // 16 + 4
+    mean_bytes = {"block": 4 * r * k // optim.MEAN_BLOCK, "row": 4 * r, "tensor": 4, "none": 4}[optim.STATE_MEAN]
+    assert optim.state_nbytes(v) == r * k // 2 + r * k // 16 + 4 + mean_bytes
+    assert optim.state_nbytes(torch.zeros(10)) == 40
+
+
+def test_bad_inputs_raise_clear_errors():
+    w = torch.nn.Parameter(torch.randn(8, 16))
+    with pytest.raises(ValueError, match="unknown state format 'fp8'"):
+        optim.AdamW([w], state="fp8")
+    with pytest.raises(ValueError, match="betas"):
+        optim.AdamW([w], betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="lr must be a number >= 0"):
+        optim.AdamW([w], lr=-1)
+    with pytest.raises(ValueError, match="state rounding"):
+        optim.AdamW([w], state="nvfp4", rounding="up")
+    with pytest.raises(ValueError, match="state hadamard"):
+        optim.AdamW([w], state="nvfp4", hadamard=48)
+    with pytest.raises(ValueError, match="state mean must be one of"):
+        optim.AdamW([w], state="nvfp4", mean="column")
+    with pytest.raises(TypeError, match="real floating-point parameters, got torch.int64"):
+        optim.AdamW([torch.zeros(4, dtype=torch.int64)])
+    opt = optim.AdamW([w])
+    with pytest.raises(TypeError, match="real floating-point"):
+        opt.add_param_group(dict(params=[torch.zeros(3, dtype=torch.int32)]))
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = optim.AdamW(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(TypeError, match="sparse gradients"):
+        opt.step()
+    with pytest.raises(ValueError, match="unknown state kind 'v'"):
+        optim.quantize_state(torch.zeros(64, 128), "v")
+    with pytest.raises(TypeError, match="floating-point tensor"):
+        optim.quantize_state(torch.zeros(64, 128, dtype=torch.int32))
+    with pytest.raises(ValueError, match="fused=True needs"):
+        w.grad = torch.ones_like(w)
+        big = torch.nn.Parameter(torch.randn(64, 128))
+        big.grad = torch.ones_like(big)
+        optim.AdamW([big], state="nvfp4", fused=True).step()
+
+
+def test_nan_gradient_propagates():
+    """A NaN gradient makes its parameter element and its state blocks NaN: visible, not zeroed."""
+    w = torch.nn.Parameter(torch.zeros(32, 256))
+    opt = optim.AdamW([w], state="nvfp4")
+    g = torch.full_like(w, 1e-3)
+    g[3, 5] = float("nan")
+    w.grad = g
+    opt.step()
+    assert torch.isnan(w[3, 5]) and torch.isfinite(w[:3]).all() and torch.isfinite(w[4:]).all()
+    v = optim.dequantize_state(opt.state[w]["exp_avg_sq"])
+    assert torch.isnan(v[3]).any() and torch.isfinite(v[:3]).all()
+
+
+def test_eps_blowup_is_bounded():
+    """SPEC 8.1's danger: on heavy-tailed gradients with tiny second moments (sqrt(v) ~ eps), a
+    rebuilt sqrt(v) near 0 under a block's error in m divides by eps. The derived factor: no
+    element of the FP4 update exceeds U_t, the most any element of exact FP32 AdamW can move at
+    step t (update_bound, Cauchy-Schwarz), which FP32 AdamW's own updates reach here; without the
+    ratio clamp the FP4 updates exceed it by orders of magnitude."""
+    shape, steps = (64, 256), 30
+    grads = heavy_grads(shape, steps, seed=3, scale=1e-8, df=1.5)
+
+    def max_ratio(**kw):
+        w = torch.nn.Parameter(torch.zeros(shape))
+        opt = optim.AdamW([w], lr=1.0, weight_decay=0.0, **kw)
+        worst = []
+        for t, g in enumerate(grads, 1):
+            before = w.detach().clone()
+            w.grad = g.clone()
+            opt.step()
+            step = (w.detach() - before).abs()
+            slack = before.abs().max().item() * 2.0**-23  # the rounding of p + update
+            worst.append((step.max().item() - slack) / optim.update_bound(1.0, (0.9, 0.95), t))
+        return worst
+
+    fp32, fp4_state, unclamped = max_ratio(), max_ratio(state="nvfp4"), max_ratio(state="nvfp4", ratio_clamp=False)
+    print(f"\nmax |update| / U_t over steps: fp32 {max(fp32):.4f}, nvfp4 {max(fp4_state):.4f}, "
+          f"nvfp4 without the clamp {max(unclamped):.1f}")
+    assert max(fp32) <= 1 + 1e-5 and max(fp4_state) <= 1 + 1e-5
+    assert max(fp32) > 0.99  # the bound is attained: the factor over FP32 AdamW's worst case is 1
+    assert max(unclamped) > 50  # the blow-up the clamp removes is real
+
+
+def test_ratio_bound_is_exact_adamw_invariant():
+    """|m_t| <= C_t sqrt(v_t) holds for exact AdamW and is attained by gradients growing like
+    (b2 / b1)^k (the Cauchy-Schwarz equality case)."""
+    betas, t = (0.9, 0.95), 12
+    g = torch.tensor([(betas[1] / betas[0]) ** k for k in range(t)], dtype=torch.float64)
+    m, v = exact_moments(g.view(t, 1, 1), betas)
+    assert float(m.abs() / v.sqrt()) == pytest.approx(optim.ratio_bound(betas, t), rel=1e-12)
+    m, v = exact_moments(heavy_grads((64, 64), t, seed=1).double(), betas)
+    assert bool((m.abs() <= optim.ratio_bound(betas, t) * v.sqrt() * (1 + 1e-12)).all())
+    assert optim.update_bound(1.0, betas, 1) == pytest.approx(1.0)
+
+
+def _v_rel_mse(v, **kw):
+    """Relative MSE of v rebuilt from quantize_state(v, 'sqrt') (or, direct=True, from NVFP4 of v)."""
+    if kw.pop("direct", False):
+        h = kw.get("hadamard", 0)
+        d = fp4.dequantize(fp4.quantize(v, "nvfp4", hadamard=h))
+        vh = (fp4.hadamard(d, h) if h else d).clamp(min=0)
+    else:
+        vh = optim.dequantize_state(optim.quantize_state(v, "sqrt", rounding="rn", **kw))
+    return float(((vh.double() - v.double()) ** 2).sum() / (v.double() ** 2).sum())
+
+
+def test_sqrt_transform_against_direct_v():
+    """SPEC 8.1 / Full-Stack FP4: sqrt(v), mean removed, Hadamard, NVFP4 has about 60% lower relative
+    MSE than NVFP4 of v itself. Measured on heavy-tailed second moments (Student-t gradients, rows
+    spanning orders of magnitude): the ratio is reported and bounded for SPEC's transform against
+    v quantized with the same Hadamard, and for this module's default format against v direct."""
+    _, v = exact_moments(heavy_grads((256, 512), 50, seed=0))
+    spec = _v_rel_mse(v, hadamard=128, mean="block") / _v_rel_mse(v, direct=True, hadamard=128)
+    default = _v_rel_mse(v) / _v_rel_mse(v, direct=True)
+    print(f"\nrelative MSE of v, sqrt transform / direct: SPEC (H128, mean per 128) {spec:.3f}, "
+          f"default (H{optim.STATE_HADAMARD}, mean {optim.STATE_MEAN}) {default:.3f}")
+    assert spec < 0.4  # at least the reported 60% lower
+    assert default < 1.1  # no worse in MSE; what the default gains is in the update (below)
+    # where v direct fails: small v elements rebuilt as 0 (each an eps blow-up waiting to happen)
+    d = fp4.dequantize(fp4.quantize(v, "nvfp4"))
+    s = optim.dequantize_state(optim.quantize_state(v, "sqrt", rounding="rn"))
+    zero_direct, zero_sqrt = float((d[v > 0] <= 0).float().mean()), float((s[v > 0] <= 0).float().mean())
+    print(f"v > 0 rebuilt as 0: direct {zero_direct:.3f}, sqrt {zero_sqrt:.3f}")
+    assert zero_direct > 0.5 and zero_sqrt < 0.25 * zero_direct
+
+
+def _ema_error(kind, rounding, steps=60, tail=20):
+    """An EMA re-quantized every step (SPEC 8.1), from -target (m, a sign flip) or 4 target (v, a
+    decaying spike): the fraction of elements whose average over the last `tail` steps is more
+    than 20% off the exact EMA's."""
+    gen = torch.Generator().manual_seed(0)
+    target = torch.randn(64, 256, generator=gen) * torch.exp(torch.randn(64, 1, generator=gen))
+    b, start = (0.9, -1.0) if kind == "signed" else (0.95, 4.0)
+    target = target if kind == "signed" else target * target
+    exact = start * target
+    s = optim.quantize_state(exact, kind, seed=0, rounding=rounding)
+    avg = torch.zeros_like(exact, dtype=torch.float64)
+    for t in range(steps):
+        exact = b * exact + (1 - b) * target
+        s = optim.quantize_state(b * optim.dequantize_state(s) + (1 - b) * target, kind, seed=t + 1, rounding=rounding)
+        if t >= steps - tail:
+            avg += optim.dequantize_state(s).double() / tail
+    return float(((avg - exact.double()).abs() > 0.2 * exact.double().abs()).float().mean())
+
+
+def test_stagnation_round_to_nearest_against_stochastic():
+    """With round to nearest an EMA increment below half a grid step is lost at every step, so m
+    stalls on its way through a sign flip; stochastic rounding keeps the increments in expectation.
+    For v the stall is towards a too large v (a smaller step), and SR's noise, squared, biases v
+    up as well: measured, RN is no worse there (README)."""
+    m_rn, m_sr = _ema_error("signed", "rn"), _ema_error("signed", "sr")
+    v_rn, v_sr = _ema_error("sqrt", "rn"), _ema_error("sqrt", "sr")
+    print(f"\nelements > 20% off after 60 steps: m RN {m_rn:.3f} SR {m_sr:.3f}; v RN {v_rn:.3f} SR {v_sr:.3f}")
+    assert m_rn > 1.5 * m_sr
+    assert v_rn < 1.1 * v_sr
+
+
+def test_regression_reaches_fp32_loss():
+    """bench.regression_loss (least squares, inputs with log-normal channel scales, minibatch AdamW
+    with a cosine lr): NVFP4 states end within 25% of FP32 AdamW's loss (measured 1.12x for the
+    default format; SPEC's Hadamard-128 + mean + SR format ends ~15x above, printed)."""
+    fp32 = regression_loss(0)
+    nvfp4 = regression_loss(0, state="nvfp4")
+    spec = regression_loss(0, state="nvfp4", hadamard=128, mean="block", rounding="sr")
+    print(f"\nregression loss: fp32 {fp32:.4e}, nvfp4 {nvfp4:.4e} ({nvfp4 / fp32:.3f}x), "
+          f"SPEC H128 + mean + SR {spec:.4e} ({spec / fp32:.2f}x)")
+    assert fp32 < 1.3e-4  # near the noise floor: the problem is solved
+    assert nvfp4 < 1.25 * fp32
+
+
+def _loss_and_grads(params, targets, weights):
+    """A weighted quadratic loss whose gradients depend on the parameters (for resume tests)."""
+    loss = sum(((p.detach() - t) ** 2 * w).sum() for p, t, w in zip(params, targets, weights))
+    for p, t, w in zip(params, targets, weights):
+        p.grad = 2 * (p.detach() - t) * w
+    return float(loss)
+
+
+def test_state_dict_round_trip_and_resume_exactly():
+    """state_dict holds the packed states (uint8 codes and scales, not dequantized copies) and
+    loads with torch.load(weights_only=True); a run resumed from it repeats the uninterrupted
+    run's losses and parameters exactly, also after a trip through BF16 parameters."""
+    shapes = [(32, 256), (256,)]
+    gen = torch.Generator().manual_seed(5)
+    targets = [torch.randn(s, generator=gen) for s in shapes]
+    weights = [torch.exp(3 * torch.randn(s, generator=gen)) for s in shapes]  # heavy-tailed curvature
+
+    def make(params):
+        return optim.AdamW([dict(params=params[:1]), dict(params=params[1:], weight_decay=0.0)],
+                           lr=3e-2, state="nvfp4", seed=7)
+
+    full = params_like(shapes)
+    opt = make(full)
+    want = [(_loss_and_grads(full, targets, weights), opt.step())[0] for _ in range(6)]
+
+    part = params_like(shapes)
+    opt = make(part)
+    got = [(_loss_and_grads(part, targets, weights), opt.step())[0] for _ in range(3)]
+    sd = opt.state_dict()
+    packed = sd["state"][0]["exp_avg_sq"]
+    assert packed["codes"].dtype == torch.uint8 and packed["scales"].dtype == torch.uint8
+    assert isinstance(sd["state"][1]["exp_avg"], torch.Tensor)  # the 1-D parameter stays FP32
+    buf = io.BytesIO()
+    torch.save(dict(params=[p.detach() for p in part], opt=sd), buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    resumed = [torch.nn.Parameter(t.clone()) for t in ckpt["params"]]
+    opt = make(resumed)
+    opt.load_state_dict(ckpt["opt"])
+    assert opt.state[resumed[0]]["exp_avg"]["codes"].dtype == torch.uint8
+    assert opt.state[resumed[0]]["exp_avg"]["tensor_scale"].dtype == torch.float32
+    got += [(_loss_and_grads(resumed, targets, weights), opt.step())[0] for _ in range(3)]
+    assert got == want  # exact float equality
+    for a, b in zip(resumed, full):
+        assert_same(a.detach(), b.detach())
+    # torch's load would cast every state tensor to a BF16 parameter's dtype; ours keeps them
+    bf = [torch.nn.Parameter(t.to(torch.bfloat16)) for t in ckpt["params"]]
+    opt_bf = make(bf)
+    opt_bf.load_state_dict(ckpt["opt"])
+    for k in ("codes", "scales", "tensor_scale", "mean"):
+        assert_same(opt_bf.state[bf[0]]["exp_avg_sq"][k], ckpt["opt"]["state"][0]["exp_avg_sq"][k])
+
+
+def test_state_bytes_of_the_1b_parameter_set():
+    """The NVFP4 states of the ~1B Llama hold <= 1.2 B/param (issue 11), counted on the meta
+    device; FP32 states hold 8. Exact count: m and v 2 x (1/2 + 1/16) B/element, plus the means of
+    sqrt(v) (4 B per 128-block, row or tensor) and 4 B tensor scales per quantized tensor, 8
+    B/element for the FP32 ones, 4 B of step counter per parameter."""
+    import model
+    with torch.device("meta"):
+        net = model.GPT(model.config_for("1b"))
+    params = list(net.parameters())
+    n = sum(p.numel() for p in params)
+    fp4_opt, fp32_opt = optim.AdamW(params, state="nvfp4"), optim.AdamW(params)
+    for opt in (fp4_opt, fp32_opt):
+        opt.init_state()
+    want = 4 * len(params)
+    for p in params:
+        if optim.quantizable(tuple(p.shape), optim.STATE_HADAMARD, optim.STATE_MEAN):
+            rows = p.numel() // p.shape[-1]
+            mean = {"block": p.numel() // optim.MEAN_BLOCK, "row": rows}.get(optim.STATE_MEAN, 1)
+            want += 2 * (p.numel() // 2 + p.numel() // 16 + 4) + 4 * mean
+        else:
+            want += 8 * p.numel()
+    got = optim.state_bytes(fp4_opt)
+    print(f"\n1b parameter set: {n / 1e9:.3f}B params, NVFP4 states {got / n:.4f} B/param, "
+          f"FP32 {optim.state_bytes(fp32_opt) / n:.4f}")
+    assert got == want
+    assert got / n <= 1.2
+    assert optim.state_bytes(fp32_opt) == 8 * n + 4 * len(params)
+
+
+def _state_tensors(st):
+    """(name, tensor) of a parameter's state: packed fields or the FP32 tensors."""
+    out = []
+    for k in ("exp_avg", "exp_avg_sq"):
+        s = st[k]
+        out += [(f"{k}.{f}", t) for f, t in s.items() if isinstance(t, torch.Tensor)] if optim.is_packed(s) else [(k, s)]
+    return out
+
+
+@gpu
+@pytest.mark.parametrize("hadamard,mean,rounding,clamp", [
+    (128, "block", "sr", True), (128, "block", "rn", True), (128, "block", ("sr", "rn"), True),
+    (64, "block", "sr", True), (32, "block", "sr", True), (16, "block", "sr", True), (0, "none", "sr", True),
+    (0, "none", "rn", True), (0, "none", ("sr", "rn"), True), (0, "block", "sr", True), (128, "none", "sr", True),
+    (128, "block", "sr", False)])
+def test_fused_kernel_matches_reference(hadamard, mean, rounding, clamp):
+    """The fused adamw_nvfp4 kernel against the PyTorch twin on the same GPU, bit for bit: the
+    parameters and every state tensor after each of 4 steps, with heavy-tailed gradients, a tail
+    warp (33 x 128: 132 threads for H 128) and a NaN gradient in the last step."""
+    shapes = [(33, 128), (64, 1024), (3, 16, 256)]
+    gen = torch.Generator().manual_seed(11)
+    init = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [heavy_grads(s if len(s) == 2 else (s[0] * s[1], s[2]), 4, seed=i).view(4, *s) for i, s in enumerate(shapes)]
+    grads[1][3, 7, 9] = float("nan")
+    runs = {}
+    for fused in (True, False):
+        ps = [torch.nn.Parameter(t.clone().cuda()) for t in init]
+        opt = optim.AdamW(ps, lr=1e-2, state="nvfp4", hadamard=hadamard, mean=mean, rounding=rounding,
+                          ratio_clamp=clamp, fused=fused, seed=3)
+        snaps = []
+        for step in range(4):
+            for p, g in zip(ps, grads):
+                p.grad = g[step].cuda()
+            opt.step()
+            snaps.append([p.detach().clone() for p in ps] + [t.clone() for p in ps for _, t in _state_tensors(opt.state[p])])
+        runs[fused] = snaps
+    names = [f"param {i}" for i in range(len(shapes))] + [f"{i}: {n}" for i, p in enumerate(shapes)
+                                                           for n, _ in _state_tensors(opt.state[ps[i]])]
+    for step, (a, b) in enumerate(zip(runs[True], runs[False])):
+        for name, x, y in zip(names, a, b):
+            same = (x == y) | (torch.isnan(x.float()) & torch.isnan(y.float()))
+            assert bool(same.all()), f"step {step}, {name}: " + first_mismatches(x.cpu(), y.cpu())
+
+
+# Host emulation (CPU, g++) of the fused kernel's per-thread math (kernels.cu's adamw_group), with
+# test_kernels.py's intrinsic and warp-shuffle shims (4 host threads = the lanes of a 128-block):
+# one step from a given state, against the PyTorch twin bit for bit. It checks on every CI run
+# what the GPU test checks on a GPU, except the loads, the stores and the launch.
+EMU_ADAMW_SHUFFLE = r"""
+#define FP4_HOST_EMU_ADAMW
+// the lanes' shuffles of whole arrays: one exchange through the quad barrier, not one per element
+static float aslot[4][32];
+template <int E> static void shfl_xor_all(float (&y)[E], const float (&x)[E], int m) {
+  for (int i = 0; i < E; i++) aslot[t_lane][i] = x[i];
+  barrier();
+  for (int i = 0; i < E; i++) y[i] = aslot[t_lane ^ m][i];
+  barrier();
+}
+"""
+EMU_ADAMW = r"""
+#include <string>
+template <class T> static std::vector<T> rd(const std::string& path, size_t n) {
+  std::vector<T> v(n);
+  FILE* f = fopen(path.c_str(), "rb");
+  if (!f || fread(v.data(), sizeof(T), n, f) != n) { fprintf(stderr, "short read %s\n", path.c_str()); exit(3); }
+  fclose(f);
+  return v;
+}
+template <class T> static void wr(const std::string& path, const std::vector<T>& v) {
+  FILE* f = fopen(path.c_str(), "wb"); fwrite(v.data(), sizeof(T), v.size(), f); fclose(f);
+}
+
+// pass 1 over every thread's group (each host lane max-reduces into its own amax), then pass 0.
+template <int H, int RM, int RV, bool CLAMP, bool MEAN>
+static void run(AdamArgs a, std::vector<float>& p, const std::vector<float>& g, float* gnew) {
+  constexpr int E = MEAN || H >= 32 ? 32 : 16;
+  constexpr int L = MEAN ? 128 / E : (H > E ? H / E : 1);  // lanes of a mean or Hadamard block
+  const uint64_t n = p.size() / E;
+  u32 amax[4][2] = {};
+  for (int pass = 1; pass >= 0; pass--) {
+    a.pass = pass;
+    if (pass == 0) {
+      for (int k = 0; k < 2; k++)
+        gnew[k] = state_tensor_scale(std::max(std::max(amax[0][k], amax[1][k]), std::max(amax[2][k], amax[3][k])));
+      a.g_new = gnew;
+    }
+    auto lane = [&](int q4) {
+      t_lane = q4;
+      AdamArgs b = a;
+      b.amax = amax[q4];
+      for (uint64_t t0 = 0; t0 < n; t0 += (L > 1 ? 4 : 1)) {
+        const uint64_t t = t0 + (L > 1 ? q4 : 0);
+        const bool valid = t < n;
+        const uint64_t base = (valid ? t : 0) * E;
+        float gr[E], x[E];
+        for (int i = 0; i < E; i++) { gr[i] = g[base + i]; x[i] = p[base + i]; }
+        adamw_group<E, H, RM, RV, CLAMP, MEAN>(gr, x, b, base, (u32)(t % L), valid);
+        if (pass == 0 && valid) for (int i = 0; i < E; i++) p[base + i] = x[i];
+      }
+    };
+    if (L > 1) {
+      std::vector<std::thread> th;
+      for (int q = 0; q < 4; q++) th.emplace_back(lane, q);
+      for (auto& t : th) t.join();
+    } else {
+      lane(0);
+    }
+  }
+}
+
+int main(int argc, char** argv) {
+  if (argc < 8) { fprintf(stderr, "usage: H rnd clamp mean n K dir (rnd: 2 bits, m's then v's)\n"); return 2; }
+  const int H = atoi(argv[1]), rnd = atoi(argv[2]), clamp = atoi(argv[3]), mean = atoi(argv[4]);
+  const size_t n = strtoull(argv[5], 0, 10);
+  const std::string d = std::string(argv[7]) + "/";
+  AdamArgs a = {};
+  a.K = (u32)atoi(argv[6]);
+  auto p = rd<float>(d + "p", n), g = rd<float>(d + "g", n);
+  auto mc = rd<u8>(d + "mc", n / 2), ms = rd<u8>(d + "ms", n / 16), vc = rd<u8>(d + "vc", n / 2), vs = rd<u8>(d + "vs", n / 16);
+  auto mg = rd<float>(d + "mg", 1), vg = rd<float>(d + "vg", 1);
+  std::vector<float> vmean = mean ? rd<float>(d + "vmean", n / 128) : std::vector<float>(1);
+  auto sc = rd<float>(d + "scalars", 10);
+  auto seeds = rd<u32>(d + "seeds", 4);
+  a.mc = mc.data(); a.ms = ms.data(); a.vc = vc.data(); a.vs = vs.data(); a.mg = mg.data(); a.vg = vg.data();
+  a.vmean = mean ? vmean.data() : nullptr;
+  a.b1 = sc[0]; a.omb1 = sc[1]; a.b2 = sc[2]; a.omb2 = sc[3]; a.clampc = sc[4]; a.bc2s = sc[5]; a.eps = sc[6];
+  a.neg_step = sc[7]; a.decay = sc[8]; a.hs = sc[9];
+  a.seed_m = seeds[0]; a.key_m = seeds[1]; a.seed_v = seeds[2]; a.key_v = seeds[3];
+  std::vector<float> gnew(2);
+#define RUN(H_, RM, RV, C_, M_) \
+  if (H == H_ && rnd == 2 * RM + RV && clamp == C_ && mean == M_) run<H_, RM, RV, C_, M_>(a, p, g, gnew.data());
+  RUN(128, 1, 1, 1, 1) RUN(128, 0, 0, 1, 1) RUN(128, 1, 0, 1, 1) RUN(64, 1, 1, 1, 1) RUN(16, 1, 1, 1, 1)
+  RUN(0, 1, 1, 1, 0) RUN(0, 1, 0, 1, 0) RUN(0, 1, 1, 1, 1) RUN(128, 1, 1, 0, 0)
+  wr(d + "p.out", p); wr(d + "mc.out", mc); wr(d + "ms.out", ms); wr(d + "vc.out", vc); wr(d + "vs.out", vs);
+  wr(d + "vmean.out", vmean); wr(d + "gnew.out", gnew);
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def adamw_emu(tmp_path_factory):
+    import shutil
+    import subprocess
+    from test_kernels import EMU_CPP, KERNELS_CU
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not installed")
+    d = tmp_path_factory.mktemp("adamw_emu")
+    shims = EMU_CPP.split("#include KERNELS_CU_PATH")[0]
+    (d / "emu.cpp").write_text(shims + EMU_ADAMW_SHUFFLE + "#include KERNELS_CU_PATH\n" + EMU_ADAMW)
+    cmd = ["g++", "-O1", "-std=c++17", "-mfma", "-ffp-contract=off", "-frounding-math", "-pthread",
+           f'-DKERNELS_CU_PATH="{KERNELS_CU}"', "-o", str(d / "emu"), str(d / "emu.cpp")]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0 and "-mfma" in res.stderr:
+        pytest.skip("host compiler without FMA")
+    assert res.returncode == 0, res.stderr[-4000:]
+    return d / "emu"
+
+
+@pytest.mark.parametrize("hadamard,mean,rounding,clamp", [
+    (128, "block", "sr", True), (128, "block", "rn", True), (128, "block", ("sr", "rn"), True),
+    (64, "block", "sr", True), (16, "block", "sr", True), (0, "none", "sr", True), (0, "none", ("sr", "rn"), True),
+    (0, "block", "sr", True), (128, "none", "sr", False)])
+def test_host_emulation_adamw(adamw_emu, tmp_path, hadamard, mean, rounding, clamp):
+    """Step 3 of a heavy-tailed run (with a NaN gradient), from the same state: the emulated kernel
+    math and the PyTorch twin agree on the parameter and every state byte."""
+    import subprocess
+    import numpy as np
+    shape = (40, 256)  # 40 x 256 / 32 = 320 threads: not a multiple of 4 host lanes for H 16
+    w = torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(2)))
+    grads = heavy_grads(shape, 3, seed=4)
+    grads[2, 5, 17] = float("nan")
+    opt = optim.AdamW([w], lr=1e-2, state="nvfp4", hadamard=hadamard, mean=mean, rounding=rounding,
+                      ratio_clamp=clamp, seed=9)
+    for g in grads[:2]:
+        w.grad = g.clone()
+        opt.step()
+    st = opt.state[w]
+    m, v = st["exp_avg"], st["exp_avg_sq"]
+    files = dict(p=w.detach(), g=grads[2], mc=m["codes"], ms=m["scales"], mg=m["tensor_scale"], vc=v["codes"],
+                 vs=v["scales"], vg=v["tensor_scale"])
+    if mean == "block":
+        files["vmean"] = v["mean"]
+    c = optim._nvfp4_scalars(opt.param_groups[0], 3)
+    files["scalars"] = torch.tensor([c[k] for k in ("b1", "omb1", "b2", "omb2", "clamp", "bc2_sqrt", "eps",
+                                                    "neg_step", "decay")] + [fp4._hadamard_scale(hadamard) if hadamard else 0.0])
+    seeds = optim._state_seeds(9, 3, 0)
+    files["seeds"] = torch.tensor([seeds[0], fp4.hash_key(seeds[0]), seeds[1], fp4.hash_key(seeds[1])],
+                                  dtype=torch.int64).to(torch.int32 if max(seeds) < 2**31 else torch.int64)
+    for name, t in files.items():
+        arr = t.detach().contiguous().numpy()
+        arr = arr.astype(np.uint32) if name == "seeds" else arr
+        arr.tofile(tmp_path / name)
+    rm, rv = (rounding, rounding) if isinstance(rounding, str) else rounding
+    res = subprocess.run([str(adamw_emu), str(hadamard), str(2 * (rm == "sr") + (rv == "sr")), str(int(clamp)),
+                          str(int(mean == "block")), str(w.numel()), str(shape[1]), str(tmp_path)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    w.grad = grads[2].clone()
+    opt.step()  # the twin
+    st = opt.state[w]
+    got = lambda name, dtype: torch.from_numpy(np.fromfile(tmp_path / f"{name}.out", dtype=dtype))  # noqa: E731
+    assert_same(got("p", np.float32).view(shape), w.detach())
+    for key, short in (("exp_avg", "m"), ("exp_avg_sq", "v")):
+        s = st[key]
+        assert_same(got(short + "c", np.uint8).view(s["codes"].shape), s["codes"])
+        assert_same(got(short + "s", np.uint8).view(s["scales"].shape), s["scales"])
+    gnew = got("gnew", np.float32)
+    assert_same(gnew[0], st["exp_avg"]["tensor_scale"])
+    assert_same(gnew[1], st["exp_avg_sq"]["tensor_scale"])
+    if mean == "block":
+        assert_same(got("vmean", np.float32).view(st["exp_avg_sq"]["mean"].shape), st["exp_avg_sq"]["mean"])
 
 
 # ---------------------------------------------------------------------------------------------

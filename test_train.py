@@ -99,6 +99,31 @@ def test_optimizer_groups():
     assert all(p.dim() == 1 for p in no_decay['params'])  # the RMSNorm weights
     assert opt.defaults['betas'] == (0.9, 0.95)
 
+@pytest.mark.parametrize('chunk', [7, 16, 64])
+def test_chunked_cross_entropy_equals_plain(chunk):
+    """loss_chunk > 0: the same loss and gradients as lm_head + F.cross_entropy (FP32 on the CPU,
+    ignored targets included), without the whole logits; under BF16 autocast, to BF16 rounding."""
+    torch.manual_seed(0)
+    plain = GPT(config_for('tiny', vocab_size=256, block_size=16))
+    chunked = GPT(config_for('tiny', vocab_size=256, block_size=16, loss_chunk=chunk))
+    chunked.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 256, (3, 16))
+    targets = torch.randint(0, 256, (3, 16))
+    targets[0, :5] = -1
+    for autocast in (False, True):
+        losses = []
+        for m in (plain, chunked):
+            m.zero_grad()
+            with torch.autocast('cpu', torch.bfloat16, enabled=autocast):
+                logits, loss = m(idx, targets)
+            loss.backward()
+            losses.append(loss)
+        assert logits is None  # the chunked model never builds them
+        tol = dict(rtol=2e-2, atol=2e-4) if autocast else dict(rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(losses[1], losses[0], **tol)
+        for (name, a), b in zip(plain.named_parameters(), chunked.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, **tol, msg=lambda m: f'{name}: {m}')
+
 @pytest.mark.parametrize('recipe', ['bf16', 'quartet', 'nvfp4', 'quartet2'])
 def test_apply_recipe_placement(recipe, monkeypatch):
     """Which modules reach fp4.to_fp4: the blocks only; nvfp4 spares the first and last."""
@@ -223,6 +248,26 @@ def test_resume_fullstack_carries_lora(corpus, tmp_path):
     assert a['train_loss'] == b['train_loss'] and a['val_loss'] == b['val_loss']
     log = (tmp_path / 'full' / 'train.log').read_text()
     assert 'step 0: LoRA-SVD refit of 12 linears' in log and 'step 3: LoRA-SVD refit of 12 linears' in log
+
+
+def test_resume_adamw_fp4_is_bit_identical(corpus, tmp_path):
+    """--optimizer=adamw_fp4: the checkpoint holds the packed NVFP4 states (uint8 codes), the
+    resumed run repeats the uninterrupted one exactly, and summary.json names the optimizer."""
+    common = ['--recipe=bf16', '--optimizer=adamw_fp4', '--eval_interval=2', '--lr_decay_iters=4']
+    full = run(corpus, tmp_path / 'full', '--max_iters=4', *common)
+    run(corpus, tmp_path / 'part', '--max_iters=2', *common)
+    ckpt = torch.load(tmp_path / 'part' / 'ckpt.pt', weights_only=False)
+    assert ckpt['optimizer']['state'][0]['exp_avg']['codes'].dtype == torch.uint8  # wte (256 x 128)
+    resumed = run(corpus, tmp_path / 'part', '--max_iters=4', '--resume=True', *common)
+    assert full['loss_curve']['train_loss'] == resumed['loss_curve']['train_loss']
+    assert full['loss_curve']['val_loss'] == resumed['loss_curve']['val_loss']
+    assert full['optimizer'] == 'adamw_fp4' and 0 < full['optimizer_state_bytes']
+    n = sum(p.numel() for p in GPT(model_py.GPTConfig(**ckpt['model_args'])).parameters())
+    assert full['optimizer_state_bytes'] < 1.3 * n  # FP32 AdamW: 8 B/param
+    with pytest.raises(SystemExit, match="trained with optimizer='adamw_fp4', but the flags ask for optimizer='adamw'"):
+        run(corpus, tmp_path / 'part', '--max_iters=6', '--resume=True', '--recipe=bf16', '--optimizer=adamw')
+    with pytest.raises(configurator.ConfigError, match="unknown optimizer 'sgd'.*adamw_fp4"):
+        train.main(['--optimizer=sgd', f'--out_dir={tmp_path}'])
 
 def file_hash(path):
     with open(path, 'rb') as f:

@@ -718,7 +718,7 @@ def init_run(rank, data_meta):
             _resumed_step = iter_num  # kept as ckpt.<step>.pt when the next one replaces it
         rngs = ckpt['rng']
         set_rng_states(rngs[rank] if rank < len(rngs) else rngs[0])
-    return model, model_args, optimizer, iter_num, history
+    return model, model_args, opt, iter_num, history
 
 def finish(history, stats, model_args, model=None, meta=None):
     """Loss plot, summary.json and the one-line summary a device run collects; then a short
@@ -727,6 +727,7 @@ def finish(history, stats, model_args, model=None, meta=None):
     summary = dict(val_loss=history['val_loss'][-1] if history['val_loss'] else None,
                    tokens_per_s=stats['tokens_per_s'], peak_mem_gib=peak_mem_gib(),
                    recipe=recipe, optimizer=optimizer, model_size=model_size, model_args=model_args,
+                   optimizer_state_bytes=stats['optimizer_state_bytes'],
                    iters=max_iters, tokens=stats['tokens'], wall_s=stats['wall_s'],
                    device=torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu',
                    loss_curve=history)
@@ -863,7 +864,7 @@ def main(argv=None):
         if dist.is_initialized():
             dist.destroy_process_group()
     stats = dict(tokens=tokens, tokens_per_s=tokens / train_time if train_time else 0.0,
-                 wall_s=time.time() - t_start)
+                 wall_s=time.time() - t_start, optimizer_state_bytes=optim.state_bytes(optimizer))
     return finish(history, stats, model_args, raw_model, meta) if rank == 0 else None
 
 if __name__ == '__main__':
