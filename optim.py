@@ -175,7 +175,27 @@ def _add_mean(d, mu):
 STATE_FORMATS = ("fp32", "nvfp4")
 
 
-class AdamW(torch.optim.Optimizer):
+class PackedStates:
+    """A torch optimizer mixin for states held packed (quantize_state's dicts): AdamW's and
+    ROOT's state_dict() hold them as they are (uint8 codes and scales), and load_state_dict keeps
+    them so."""
+
+    def load_state_dict(self, state_dict):
+        """torch's, but packed FP4 states keep their dtypes (torch casts every tensor of a state to
+        the parameter's dtype: uint8 codes would become floats) and move to the parameter's device."""
+        saved = state_dict["state"]
+        packed = {k: {n: v for n, v in s.items() if is_packed(v)} for k, s in saved.items()}
+        plain = {k: {n: v for n, v in s.items() if not is_packed(v)} for k, s in saved.items()}
+        super().load_state_dict({**state_dict, "state": plain})
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params):
+            for name, s in packed.get(i, {}).items():
+                self.state[p][name] = {f: v.to(p.device, copy=True) if isinstance(v, torch.Tensor) else v
+                                       for f, v in s.items()}
+
+
+class AdamW(PackedStates, torch.optim.Optimizer):
     """AdamW with FP32 or NVFP4 states. lr, betas, eps, weight_decay: as torch's. state: 'fp32' or
     'nvfp4'. The NVFP4 options: rounding ('rn', 'sr' or a pair: m's, v's), hadamard and mean (as
     quantize_state's), ratio_clamp (the eps blow-up guard above). seed: the base of the SR seeds,
@@ -230,21 +250,6 @@ class AdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if not self.state[p]:
                     _init_state(p, self.state[p], group)
-
-    def load_state_dict(self, state_dict):
-        """torch's, but packed FP4 states keep their dtypes (torch casts every tensor of a state to
-        the parameter's dtype: uint8 codes would become floats) and move to the parameter's device."""
-        saved = state_dict["state"]
-        packed = {k: {n: v for n, v in s.items() if is_packed(v)} for k, s in saved.items()}
-        plain = {k: {n: v for n, v in s.items() if not is_packed(v)} for k, s in saved.items()}
-        super().load_state_dict({**state_dict, "state": plain})
-        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for i, p in zip(ids, params):
-            for name, s in packed.get(i, {}).items():
-                self.state[p][name] = {f: v.to(p.device, copy=True) if isinstance(v, torch.Tensor) else v
-                                       for f, v in s.items()}
-
 
 def _check_group(group, gi):
     where = f"param group {gi}"
@@ -665,7 +670,7 @@ def update_scale(shape, rule="rms"):
     raise ValueError(f"update scale rule must be one of {UPDATE_SCALES}, got {rule!r}")
 
 
-class ROOT(torch.optim.Optimizer):
+class ROOT(PackedStates, torch.optim.Optimizer):
     """ROOT / Muon for 2-D weights (SPEC 8.2). Per matrix and step:
         m = momentum * m + (1 - momentum) * g            (EMA momentum)
         u = momentum * m + (1 - momentum) * g  if nesterov, else m
