@@ -865,7 +865,8 @@ def main(argv=None):
             dist.destroy_process_group()
     stats = dict(tokens=tokens, tokens_per_s=tokens / train_time if train_time else 0.0,
                  wall_s=time.time() - t_start, optimizer_state_bytes=optim.state_bytes(optimizer))
-    return finish(history, stats, model_args, raw_model, meta) if rank == 0 else None
+    sampler = None if fsdp else raw_model  # FSDP's shards need every rank: sample.py then
+    return finish(history, stats, model_args, sampler, meta) if rank == 0 else None
 
 if __name__ == '__main__':
     try:
