@@ -708,11 +708,11 @@ def init_run(rank, data_meta):
         shard_model(model)  # moves each rank's shard to the device: no whole copy stays there
     else:
         model.to(device)
-    optimizer = build_optimizer(model)
+    opt = build_optimizer(model)  # (the global `optimizer` names it)
     history = dict(steps=[], train_loss=[], val_steps=[], val_loss=[], eval_train_loss=[])
     iter_num = 0
     if ckpt:
-        load_optimizer_state(model, optimizer, ckpt, path)
+        load_optimizer_state(model, opt, ckpt, path)
         iter_num, history = ckpt['iter_num'], ckpt['history']
         if os.path.abspath(path) == os.path.abspath(checkpoint_path()):
             _resumed_step = iter_num  # kept as ckpt.<step>.pt when the next one replaces it
