@@ -24,7 +24,8 @@ from test_train import HAVE_FP4, write_corpus
 
 needs_fp4 = pytest.mark.skipif(not HAVE_FP4, reason='fp4.to_fp4 not available yet')
 WORLD = 2
-DEADLINE_S = 120  # per run; each takes under 15 s on 2 busy cores: a hang fails, not stalls CI
+DEADLINE_S = 60  # per run; each takes under 15 s on 2 busy cores: a hang fails, not stalls CI
+ATTEMPTS = 2  # a run that hangs past the deadline is killed and started once more
 
 # How far FSDP2 may drift from one process in FP32 (recipe bf16 runs FP32 here: dtype=float32).
 # Same batches, same initial weights, same forward: the per-micro-batch gradients are computed
@@ -118,14 +119,19 @@ def spawn(name, argv, spy, out):
     mp.set_forkserver_preload(['__main__', 'torch', 'train', 'fp4', 'test_fsdp', 'torch.distributed.tensor',
                                'torch.distributed.fsdp', 'torch.distributed.checkpoint.state_dict',
                                'torch._dynamo'])  # imported lazily by DTensor: seconds a run
-    ctx = mp.start_processes(worker, args=(name, argv, spy, free_port(), out), nprocs=WORLD,
-                             join=False, start_method='forkserver')
-    deadline = time.time() + DEADLINE_S
-    while not ctx.join(timeout=1):  # raises with the worker's traceback if one failed
-        if time.time() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f'run {name} took over {DEADLINE_S} s')
+    for attempt in range(1, ATTEMPTS + 1):
+        ctx = mp.start_processes(worker, args=(name, argv, spy, free_port(), out), nprocs=WORLD,
+                                 join=False, start_method='forkserver')
+        deadline = time.time() + DEADLINE_S
+        while not ctx.join(timeout=1):  # raises with the worker's traceback if one failed
+            if time.time() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                break
+        else:
+            break
+        if attempt == ATTEMPTS:  # gloo's teardown hangs now and then (seen once in CI's clone
+            raise TimeoutError(f'run {name} took over {DEADLINE_S} s, {ATTEMPTS} times')  # after a finished run)
     results = []
     for rank in range(WORLD):
         with open(os.path.join(out, f'{name}.rank{rank}.json')) as f:
