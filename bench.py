@@ -12,6 +12,7 @@ import re
 import statistics
 import subprocess
 import time
+import traceback
 
 import torch
 
@@ -460,11 +461,24 @@ def memory_parts(net, opt, step, logits_numel):
                 logits_gib=round(logits, 2), rest_gib=round(peak - 2 * weights - states - logits, 2))
 
 
+def step_combos(variants, optimizers, loss_chunks):
+    """(variant, optimizer, loss_chunk) rows: each plain variant with each optimizer and chunk, and a
+    variant written 'name:optimizer' or 'name:optimizer:chunk' as just that one row."""
+    rows = []
+    for item in variants.split(","):
+        name, *fixed = item.split(":")
+        if len(fixed) > 2:
+            raise SystemExit(f"--step-variants item {item!r}: use name, name:optimizer or name:optimizer:loss_chunk")
+        opts = [fixed[0]] if fixed else optimizers.split(",")
+        chunks = [fixed[1]] if len(fixed) == 2 else loss_chunks.split(",")
+        rows += [(name, o, int(c)) for o in opts for c in chunks]
+    return rows
+
+
 def section_step(args):
     """Tokens/s and peak memory per variant, compiled (the headline) and optionally eager, all
     against the BF16 row of the same mode in the same run."""
-    variants = [(v, o, int(c)) for v in args.step_variants.split(",") for o in args.step_optimizers.split(",")
-                for c in args.step_loss_chunk.split(",")]
+    variants = step_combos(args.step_variants, args.step_optimizers, args.step_loss_chunk)
     rows = []
     for compiled in (True, False) if args.step_eager else (True,):
         base = None
@@ -477,6 +491,11 @@ def section_step(args):
                 rows.append(dict(row, skipped=str(why)))
                 print(f"  {variant}: skipped: {why}")
                 continue
+            except Exception as e:  # one variant's failure is a row with its error; the others still run
+                traceback.print_exc()
+                rows.append(dict(row, failed=f"{type(e).__name__}: {e}"[:500]))
+                print(f"  {variant} {optimizer}: FAILED: {type(e).__name__}: {e}")
+                continue
             finally:
                 torch._dynamo.reset()
                 torch.cuda.empty_cache()
@@ -487,6 +506,8 @@ def section_step(args):
                              first_step_s=round(warm_s, 1),
                              vs_bf16=round(tok_s / base[0], 3) if base else None,
                              mem_vs_bf16=round(peak / base[1], 3) if base else None))
+            print(f"  {variant} {optimizer} loss_chunk={chunk}: {ms:.1f} ms, {peak:.2f} GiB", flush=True)
+            save_rows(args, "step", rows)  # a call stopped at its time limit keeps the rows done
         mode = "compiled" if compiled else "eager"
         print_table([r for r in rows if r["mode"] == mode and "ms" in r],
                     ["model", "variant", "optimizer", "loss_chunk", "mode", "ms", "tokens_per_s", "vs_bf16", "peak_gib",
@@ -1125,7 +1146,8 @@ def main():
     ap.add_argument("--batch", type=int, default=8, help="step: sequences per step")
     ap.add_argument("--step-reps", type=int, default=4, help="step: timed steps")
     ap.add_argument("--step-variants", default=",".join(STEP_VARIANTS),
-                    help="step: comma list (model.RECIPES names, fp8-rowwise, float8-tensorwise, float8-rowwise); bf16 first")
+                    help="step: comma list (model.RECIPES names, fp8-rowwise, float8-tensorwise, float8-rowwise; '+attn-nvfp4' adds FP4 attention; "
+                         "'name:optimizer[:loss_chunk]' is that one row); bf16 first")
     ap.add_argument("--step-eager", action="store_true", help="step: also time every variant eager (second table)")
     ap.add_argument("--gpus", default="2", help="fsdp: comma list of GPU counts (torchrun --nproc_per_node)")
     ap.add_argument("--fsdp-iters", type=int, default=20, help="fsdp: train.py --max_iters")
@@ -1149,12 +1171,17 @@ def main():
     os.makedirs(out, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__, backends=fp4.backends(),
                 time=time.strftime("%Y-%m-%d %H:%M:%S"))
+    args.out_dir, args.meta = out, meta
     for name in args.sections.split(","):
         print(f"\n== {name} ==")
-        rows = {**SECTIONS, **SECTIONS_MULTI_GPU}[name](args)
-        meta["kernel_compiler"] = dict(kernels.COMPILER)
-        with open(os.path.join(out, f"bench_{name}.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        save_rows(args, name, {**SECTIONS, **SECTIONS_MULTI_GPU}[name](args))
+
+
+def save_rows(args, name, rows):
+    """results/<gpu>/bench_<name>.json: the run's meta and the section's rows."""
+    args.meta["kernel_compiler"] = dict(kernels.COMPILER)
+    with open(os.path.join(args.out_dir, f"bench_{name}.json"), "w") as f:
+        json.dump(dict(meta=args.meta, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -47,8 +47,10 @@ REFERENCE = 'bf16'
 # the eager FP4 layers cost ~2 ms of host time each per micro-batch (README), so one halves
 # that per token, and 64 x 512 still fits 30M-100M models in an H200. 50 eval batches per
 # split = 1.6M val tokens an eval. No checkpoints: a run is the unit a study resumes by.
+# The lm_head's cross-entropy runs 8K tokens at a time (model.chunked_cross_entropy, the same loss):
+# the whole 32K x 100K FP32 logits would take ~25 GiB a run, and runs share the GPU (--jobs).
 SETTINGS = dict(block_size=512, batch_size=64, gradient_accumulation_steps=1, eval_iters=50,
-                always_save_checkpoint=False, log_interval=25)
+                always_save_checkpoint=False, log_interval=25, loss_chunk=8192)
 # peak learning rate per size: train.py's 30M default and config/quartet_200m.py's 200M one,
 # interpolated between; not tuned per recipe (the same for all: same-token, same-schedule runs)
 LEARNING_RATE = {'tiny': 4e-3, '30m': 1.5e-3, '50m': 1.25e-3, '100m': 1.1e-3, '200m': 1e-3,
