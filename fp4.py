@@ -26,6 +26,7 @@ Bit-exactness contract with the kernels (everything in FP32, no fused multiply-a
     lowbias32(seed + 0x632BE5AB * (i // 32 + 1)); the kernels derive the same bits from a
     DeviceSeed.
 """
+import contextlib
 import functools
 import math
 import os
@@ -663,8 +664,9 @@ def mm(a, b, out_dtype=torch.bfloat16, backend=None):
     backend = backend or mm_backend(a.fmt, a.codes.device)
     if backend not in MM_BACKENDS:
         raise ValueError(f"unknown mm backend {backend!r}; allowed: {MM_BACKENDS}")
-    if backend == "emulated":
-        return (_dequantize_lead(a) @ _dequantize_lead(b).t()).to(out_dtype)
+    if backend == "emulated":  # the definition: FP32 values, an FP32 GEMM (never TF32)
+        with ieee_fp32(a.codes.device):
+            return (_dequantize_lead(a) @ _dequantize_lead(b).t()).to(out_dtype)
     if not a.codes.is_cuda:
         raise ValueError(f"mm backend {backend!r} needs CUDA tensors; use 'emulated' on the CPU")
     return {"bf16": _mm_bf16, "fp8": _mm_fp8, "native": _mm_native}[backend](a, b, out_dtype)
@@ -702,6 +704,22 @@ def mm_backend(fmt, device):
 @functools.cache
 def _capability(index):  # asked on every GEMM: cached per device (a properties query otherwise)
     return torch.cuda.get_device_capability(index)
+
+
+@contextlib.contextmanager
+def ieee_fp32(device):
+    """FP32 matmuls on a CUDA `device` in IEEE FP32, whatever torch.backends.cuda.matmul.allow_tf32
+    says (train.py turns TF32 on for speed, process-wide): a reference's FP32 GEMM must not round
+    its operands to TF32's 10 mantissa bits. A no-op elsewhere (CPU matmuls ignore the flag)."""
+    flags = torch.backends.cuda.matmul
+    if torch.device(device).type != "cuda" or not flags.allow_tf32:
+        yield
+        return
+    flags.allow_tf32 = False
+    try:
+        yield
+    finally:
+        flags.allow_tf32 = True
 
 
 def _dequantize_lead(q, dtype=torch.float32):

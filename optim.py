@@ -539,10 +539,11 @@ def _count(stats, precision, flops):
 def _step_fp32(X, abc, stats):
     a, b, c = abc
     m, n = X.shape
-    A = X @ X.t()  # (m, m)
-    B = b * A + c * (A @ A)
-    _count(stats, "fp32", 4 * m * m * n + 2 * m**3)
-    return a * X + B @ X
+    with fp4.ieee_fp32(X.device):  # precision='fp32' means FP32, also under train.py's TF32
+        A = X @ X.t()  # (m, m)
+        B = b * A + c * (A @ A)
+        _count(stats, "fp32", 4 * m * m * n + 2 * m**3)
+        return a * X + B @ X
 
 
 def _step_bf16(X, abc, stats, guard=False):

@@ -318,8 +318,10 @@ def make_record(run, cfg, rc, wall_s, context):
 
 def run_study(runs, directory, base_flags=(), settings=SETTINGS, jobs=1, budget_s=None,
               inprocess=False, bundle=None, work_dir=None, log=print):
-    """Run what is not done yet, jobs at a time; never start a run whose projected time does
-    not fit in what is left of budget_s, and stop the ones still going when it runs out.
+    """Run what is not done yet, up to jobs at a time; never start a run whose projected time
+    (estimate_s, sharing the GPU with the runs going) does not fit in what is left of budget_s:
+    wait for a running one to finish first, and skip it if it does not fit alone. Stop the ones
+    still going when the budget runs out. A record's 'jobs' is how many shared the GPU at its start.
     Returns (the new records, the runs left undone: failed, skipped or stopped)."""
     t0 = time.time()
     configs = [train_config(r, base_flags, settings, work_dir) for r in runs]
@@ -344,14 +346,18 @@ def run_study(runs, directory, base_flags=(), settings=SETTINGS, jobs=1, budget_
 
     while todo or running:
         while todo and len(running) < jobs:
-            run, cfg = todo.pop(0)
-            est = estimate_s(run, cfg, records, directory, jobs)
+            run, cfg = todo[0]
+            sharing = len(running) + 1  # the runs on the GPU once it starts
+            est = estimate_s(run, cfg, records, directory, sharing)
             if est > left_s():
+                if running:  # it may fit once fewer runs share the GPU: wait for one to finish
+                    break
                 log(f'skip {run.id}: projected {est / 60:.1f} min, {left_s() / 60:.1f} left')
-                left.append(run)
+                left.append(todo.pop(0)[0])
                 continue
+            todo.pop(0)
             path = data_path(cfg)
-            context = dict(git_commit=commit, git_dirty=dirty, jobs=jobs, corpus=corpora[path])
+            context = dict(git_commit=commit, git_dirty=dirty, jobs=sharing, corpus=corpora[path])
             epochs = cfg['max_iters'] * step_tokens(cfg) / corpora[path]['train_tokens']
             if epochs > 1:
                 log(f'warning: {run.id} reads {epochs:.2f} epochs of its train split ({path}); '

@@ -139,6 +139,20 @@ def spawn(name, argv, spy, out):
     return results
 
 
+@pytest.fixture(scope='module', autouse=True)
+def cpu_only():
+    """These are CPU runs (gloo) on any machine. On a GPU machine the forkserver, started by the
+    first run, would see CUDA: a forked rank that touches CUDA after its parent initialised the
+    driver fails ('initialization error'). Hidden from the forkserver, which keeps the setting."""
+    old = os.environ.get('CUDA_VISIBLE_DEVICES')
+    os.environ['CUDA_VISIBLE_DEVICES'] = ''
+    yield
+    if old is None:
+        os.environ.pop('CUDA_VISIBLE_DEVICES')
+    else:
+        os.environ['CUDA_VISIBLE_DEVICES'] = old
+
+
 @pytest.fixture(scope='module')
 def corpus(tmp_path_factory):
     path = tmp_path_factory.mktemp('corpus')

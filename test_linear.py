@@ -546,3 +546,26 @@ def test_fullstack_cuda_matches_reference_and_compiles():
     base = _quant_errors(_fullstack(w, -1).cuda(), x.cuda(), e.cuda())
     ours = _quant_errors(gpu, x.cuda(), e.cuda())
     assert all(o < 0.9 * b for o, b in zip(ours, base)), (base, ours)
+
+
+def test_ieee_fp32_turns_tf32_off_for_cuda_only():
+    """fp4.ieee_fp32: inside, CUDA FP32 matmuls are IEEE even where train.py enabled TF32; the flag
+    comes back after, also when the body raises; CPU devices leave it alone (CPU ignores it)."""
+    flags = torch.backends.cuda.matmul
+    old = flags.allow_tf32
+    try:
+        flags.allow_tf32 = True
+        with fp4.ieee_fp32("cuda"):
+            assert flags.allow_tf32 is False
+        assert flags.allow_tf32 is True
+        with pytest.raises(KeyError), fp4.ieee_fp32(torch.device("cuda", 0)):
+            raise KeyError
+        assert flags.allow_tf32 is True
+        with fp4.ieee_fp32("cpu"):
+            assert flags.allow_tf32 is True
+        flags.allow_tf32 = False
+        with fp4.ieee_fp32("cuda"):
+            assert flags.allow_tf32 is False
+        assert flags.allow_tf32 is False
+    finally:
+        flags.allow_tf32 = old

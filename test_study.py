@@ -262,6 +262,20 @@ def test_budget_starts_only_what_fits(tmp_path, monkeypatch, no_corpus):
     with tarfile.open(bundle) as tar:
         assert 'res/tiny-10K-bf16-s0.json' in tar.getnames()
 
+def test_budget_waits_rather_than_skips_when_sharing_is_what_does_not_fit(tmp_path, monkeypatch, no_corpus):
+    """jobs=3 under a budget that fits one run alone but not three sharing the GPU (estimate_s
+    grows with the runs sharing): each starts once the one before it finished, none is skipped;
+    a run that does not fit even alone is skipped. Records say how many shared the GPU."""
+    start, started = fake_start({})
+    monkeypatch.setattr(study, 'start', start)
+    monkeypatch.setattr(study, 'estimate_s',
+                        lambda run, cfg, records, directory, jobs: (1000.0 if run.seed == 3 else 200.0) * jobs)
+    runs = study.grid(['bf16'], [0, 1, 2, 3], ['tiny'], [1e4])
+    new, left = study.run_study(runs, str(tmp_path / 'res'), settings=TINY, budget_s=300, jobs=3,
+                                work_dir=str(tmp_path / 'w'), log=lambda m: None)
+    assert started == [f'tiny-10K-bf16-s{i}' for i in range(3)] and [r.id for r in left] == ['tiny-10K-bf16-s3']
+    assert [r['jobs'] for r in new] == [1, 1, 1]
+
 def test_estimate_from_finished_runs(tmp_path):
     run = study.grid(['quartet'], [0], ['30m'], [25e6])[0]
     cfg = study.train_config(run)  # 763 steps of 32768 tokens

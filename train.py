@@ -181,7 +181,7 @@ def log_header(config):
         log(f'git commit {commit or "unknown"}')
     except (OSError, subprocess.SubprocessError):
         pass
-    if torch.cuda.is_available():
+    if device.startswith('cuda'):
         log(f'GPU: {torch.cuda.get_device_name()} x {torch.cuda.device_count()}, '
             f'CUDA {torch.version.cuda}')
     if shutil.which('nvidia-smi'):
