@@ -192,6 +192,12 @@ def write_bundle(directory, path):
 # running: subprocesses of train.py, a time budget, the record
 
 def git_state():
+    """(commit, dirty) of the code that runs. FP4_GIT_COMMIT=<sha> names it where the checkout's
+    .git is not the tree's own (a copy of a working tree sent to a GPU machine with a stale .git):
+    then the tree is taken as that commit, clean."""
+    if os.environ.get('FP4_GIT_COMMIT'):
+        return os.environ['FP4_GIT_COMMIT'], False
+
     def git(*args):
         p = subprocess.run(['git', *args], cwd=HERE, capture_output=True, text=True, timeout=30)
         return p.stdout.strip() if p.returncode == 0 else None

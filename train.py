@@ -175,12 +175,15 @@ def log_header(config):
     log(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(sys.argv)}")
     log(f'python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}, '
         f'{platform.platform()}')
-    try:
-        commit = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=HERE, capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-        log(f'git commit {commit or "unknown"}')
-    except (OSError, subprocess.SubprocessError):
-        pass
+    if os.environ.get('FP4_GIT_COMMIT'):  # a copy of the tree whose .git is not its code's (study.py)
+        log(f"git commit {os.environ['FP4_GIT_COMMIT']} (FP4_GIT_COMMIT)")
+    else:
+        try:
+            commit = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=HERE, capture_output=True,
+                                    text=True, timeout=10).stdout.strip()
+            log(f'git commit {commit or "unknown"}')
+        except (OSError, subprocess.SubprocessError):
+            pass
     if device.startswith('cuda'):
         log(f'GPU: {torch.cuda.get_device_name()} x {torch.cuda.device_count()}, '
             f'CUDA {torch.version.cuda}')
