@@ -520,7 +520,7 @@ def section_step(args):
 # ---------------------------------------------------------------------------------------------
 # optim: one optimizer step over the ~1B Llama's parameters (SPEC 8.1): time and state bytes/param
 
-OPTIM_VARIANTS = ("torch AdamW (fused)", "optim.AdamW fp32", "optim.AdamW nvfp4", "optim.AdamW nvfp4 (unfused reference)",
+OPTIM_VARIANTS = ("torch AdamW (fused)", "optim.AdamW fp32", "optim.AdamW nvfp4 (fused kernel)", "optim.AdamW nvfp4 (unfused reference)",
                   "torchao AdamW8bit", "torchao AdamW4bit")
 
 
@@ -530,7 +530,8 @@ def _optimizer(variant, params):
         return torch.optim.AdamW(params, fused=True, **hyper)
     if variant.startswith("optim.AdamW"):
         import optim
-        return optim.AdamW(params, state=variant.split()[1], fused=False if "unfused" in variant else None, **hyper)
+        fused = True if "fused kernel" in variant else False if "unfused" in variant else None
+        return optim.AdamW(params, state=variant.split()[1], fused=fused, **hyper)
     try:
         from torchao.optim import AdamW4bit, AdamW8bit
     except ImportError as err:

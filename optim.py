@@ -200,8 +200,8 @@ class AdamW(PackedStates, torch.optim.Optimizer):
     'nvfp4'. The NVFP4 options: rounding ('rn', 'sr' or a pair: m's, v's), hadamard and mean (as
     quantize_state's), ratio_clamp (the eps blow-up guard above). seed: the base of the SR seeds,
     a pure function of (seed, step, parameter index, state), so resumed runs repeat exactly.
-    fused: None uses the fused GPU kernel where it applies, False never (the PyTorch reference),
-    True requires it. Every option can be set per param group; tensors quantizable() rejects keep
+    fused: None uses the fused GPU kernel where it applies if FUSED_BY_DEFAULT (now False: below),
+    False never (the PyTorch reference), True requires it. Every option can be set per param group; tensors quantizable() rejects keep
     FP32 states under 'nvfp4'."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, state="fp32",
@@ -389,11 +389,17 @@ def adamw_nvfp4_reference(p, m, v, c):
 # The fused GPU path: kernels.cu's adamw_nvfp4, launched twice per parameter tensor through
 # kernels.launch (pass 1: the new states' amaxes for the NVFP4 tensor scales; pass 0: everything else).
 
+# fused=None means the kernel only once it has passed its GPU test: on the H200 (2026-12-01) every
+# case of test_optim.py::test_fused_kernel_matches_reference failed, so until a GPU run passes,
+# None runs the PyTorch reference (correct, ~5x slower at 1B: README) and fused=True is opt-in.
+FUSED_BY_DEFAULT = False
+
+
 def _use_kernel(p, st, group):
-    """Whether this parameter's NVFP4 step runs fused (group['fused']: None = where it applies). The
-    kernel reads and writes the group's format; a state stored in another (the group changed since)
-    goes through the reference, which reads the stored one."""
-    if group["fused"] is False:
+    """Whether this parameter's NVFP4 step runs fused (group['fused']: None = where it applies and
+    FUSED_BY_DEFAULT). The kernel reads and writes the group's format; a state stored in another
+    (the group changed since) goes through the reference, which reads the stored one."""
+    if group["fused"] is False or (group["fused"] is None and not FUSED_BY_DEFAULT):
         return False
     ok = (p.is_cuda and fp4.kernels_enabled() and p.dtype == torch.float32 and p.grad.dtype == torch.float32
           and kernels._aligned(p) and kernels._aligned(p.grad) and group["mean"] in ("block", "none")
