@@ -306,11 +306,12 @@ def zero_state(shape, kind, group, device):
     r = math.prod(shape) // k
     u8 = dict(dtype=torch.uint8, device=device)
     s = dict(format="nvfp4", kind=kind, shape=tuple(shape), hadamard=n, rounding=_roundings(group)[kind == "sqrt"],
-             mean_over=mean if kind == "sqrt" else "none", codes=torch.zeros(r, k // 2, **u8),
-             scales=torch.zeros(r, k // 16, **u8), tensor_scale=torch.ones((), device=device))
-    if kind == "sqrt":
+             mean_over=mean if kind == "sqrt" else "none")
+    if kind == "sqrt":  # quantize_state's field order too: the mean before the codes
         cols = k // MEAN_BLOCK if mean == "block" else 1
         s["mean"] = torch.zeros(1 if mean in ("tensor", "none") else r, cols, device=device)
+    s.update(codes=torch.zeros(r, k // 2, **u8), scales=torch.zeros(r, k // 16, **u8),
+             tensor_scale=torch.ones((), device=device))
     return s
 
 
@@ -395,13 +396,19 @@ def _use_kernel(p, st, group):
     goes through the reference, which reads the stored one."""
     if group["fused"] is False:
         return False
-    ok = (p.is_cuda and fp4.kernels_enabled() and p.dtype == torch.float32 and p.grad.dtype == torch.float32
+    ok = (_kernel_device(p) and p.dtype == torch.float32 and p.grad.dtype == torch.float32
           and kernels._aligned(p) and kernels._aligned(p.grad) and group["mean"] in ("block", "none")
           and st["exp_avg"]["hadamard"] == group["hadamard"] and st["exp_avg_sq"]["mean_over"] == group["mean"])
     if group["fused"] and not ok:
         raise ValueError("fused=True needs FP32 contiguous CUDA parameters and gradients, CuPy, and "
                          f"mean 'block' or 'none'; got {p.dtype} on {p.device}, mean {group['mean']!r}")
     return ok
+
+
+def _kernel_device(p):
+    """Whether p's device runs kernels.cu: CUDA, with CuPy (test_optim's host emulation of the
+    kernel says yes on the CPU)."""
+    return p.is_cuda and fp4.kernels_enabled()
 
 
 def _adamw_nvfp4_kernel(p, st, group, c, seeds):
