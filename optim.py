@@ -432,6 +432,7 @@ def _adamw_nvfp4_kernel(p, st, group, c, seeds):
     for pass_ in (1, 0):
         kernels.launch(p.device, name, (-(-n // 256),), (256,), head + (np.int32(pass_), ptr(amax), ptr(g_new)))
     m["tensor_scale"], v["tensor_scale"] = g_new[0], g_new[1]
+    m["rounding"], v["rounding"] = rm, rv  # this step's, as the twin's new states say
 
 
 # ---------------------------------------------------------------------------------------------
