@@ -361,7 +361,8 @@ def _state_fields(st):
     out = {}
     for k in ("exp_avg", "exp_avg_sq"):
         s = st[k] if optim.is_packed(st[k]) else {None: st[k]}
-        out.update({f"{k}.{f}" if f else k: v.cpu().clone() if isinstance(v, torch.Tensor) else v for f, v in s.items()})
+        out.update({f"{k}.{f}" if f else k: v.cpu().clone() if isinstance(v, torch.Tensor) else v
+                    for f, v in s.items()})
     return out
 
 
@@ -498,7 +499,7 @@ template <int E> static void shfl_xor_all(float (&y)[E], const float (&x)[E], in
   static_assert(E <= 32, "wslot holds 32 elements a lane");
   const unsigned w = threadIdx.x / 32, lane = threadIdx.x % 32, src = lane ^ (unsigned)m;
   if (m < 0 || src >= 32 || 32 * w + src >= blockDim.x)
-    fail("thread " + std::to_string(threadIdx.x) + ": shfl_xor_all with mask " + std::to_string(m) + " leaves the warp");
+    fail("thread " + std::to_string(threadIdx.x) + ": shfl_xor_all mask " + std::to_string(m) + " leaves the warp");
   memcpy(wslot[w][lane], x, sizeof x);
   park(AT_SHFL);  // every lane has written
   memcpy(y, wslot[w][src], sizeof y);
@@ -551,7 +552,8 @@ static bool run_block(std::mt19937& rng) {
     std::shuffle(warps.begin(), warps.end(), rng);
     for (unsigned w : warps) if (!run_warp(w, rng)) return false;
     bool sync = false;
-    for (unsigned t = 0; t < blockDim.x; t++) if (fibers[t].state == AT_SYNC) { sync = true; fibers[t].state = RUNNING; }
+    for (unsigned t = 0; t < blockDim.x; t++)
+      if (fibers[t].state == AT_SYNC) { sync = true; fibers[t].state = RUNNING; }
     if (!sync) return true;
   }
 }
@@ -563,7 +565,10 @@ template <class T> constexpr char type_code() {  // what the Python side sends: 
   else if constexpr (std::is_same_v<T, int>) return 'i';  // np.int32
   else { static_assert(std::is_same_v<T, float>, "a parameter type the harness does not map"); return 'f'; }
 }
-template <class T> static void* as_ptr(const T& v) { if constexpr (std::is_pointer_v<T>) return (void*)v; else return nullptr; }
+template <class T> static void* as_ptr(const T& v) {
+  if constexpr (std::is_pointer_v<T>) return (void*)v;
+  else return nullptr;
+}
 template <class T> static void set_ptr(T& v, void* p) { if constexpr (std::is_pointer_v<T>) v = (T)p; }
 template <class Tup, size_t... I> static void* arg_ptr(const Tup& t, size_t i, std::index_sequence<I...>) {
   void* r = nullptr;
@@ -595,7 +600,10 @@ static int launch(void (*kernel)(A...), std::vector<Buf> (*contract)(const std::
   std::vector<bool> listed(sizeof...(A));
   for (const Buf& b : bufs) listed[b.arg] = true;
   for (size_t i = 0; i < sizeof...(A); i++)
-    if (!listed[i] && arg_ptr(args, i, Seq{})) { emu_err = "argument " + std::to_string(i) + ": a pointer outside the contract"; return 1; }
+    if (!listed[i] && arg_ptr(args, i, Seq{})) {
+      emu_err = "argument " + std::to_string(i) + ": a pointer outside the contract";
+      return 1;
+    }
   std::vector<std::vector<unsigned char>> arena(bufs.size());
   std::vector<unsigned char*> at(bufs.size()), orig(bufs.size());
   for (size_t k = 0; k < bufs.size(); k++) {
@@ -608,7 +616,10 @@ static int launch(void (*kernel)(A...), std::vector<Buf> (*contract)(const std::
     if (nbytes[b.arg] < b.bytes) { emu_err = what + "its tensor holds " + std::to_string(nbytes[b.arg]); return 1; }
     for (size_t j = 0; j < k; j++) {
       const unsigned char* q = orig[j];
-      if (q && bufs[j].bytes && p < q + bufs[j].bytes && q < p + b.bytes) { emu_err = what + "overlaps argument " + std::to_string(bufs[j].arg); return 1; }
+      if (q && bufs[j].bytes && p < q + bufs[j].bytes && q < p + b.bytes) {
+        emu_err = what + "overlaps argument " + std::to_string(bufs[j].arg);
+        return 1;
+      }
     }
     arena[k].assign(b.bytes + 2 * GUARD + 16, 0xA5);
     at[k] = arena[k].data() + GUARD + (16 - (uintptr_t)(arena[k].data() + GUARD) % 16) % 16;
@@ -653,7 +664,8 @@ static std::vector<Buf> adamw_buffers(const Tup& a) {
           {8, m / 16, 1}, {9, 4, 4}, {10, MEAN ? m / 128 * 4 : 0, 4}, {26, 8, 4}, {27, 8, 4}};
 }
 
-typedef int (*Launcher)(const char*, const unsigned char*, const unsigned long long*, const unsigned*, unsigned long long);
+typedef int (*Launcher)(const char*, const unsigned char*, const unsigned long long*, const unsigned*,
+                        unsigned long long);
 #define ADAMW(H, RM, RV, C, M)                                                                          \
   {"adamw_nvfp4<" #H ", " #RM ", " #RV ", " #C ", " #M ">",                                             \
    [](const char* t, const unsigned char* a, const unsigned long long* nb, const unsigned* d, unsigned long long s) { \
@@ -711,10 +723,11 @@ class GridEmu:
         assert rc == 0, f"emulated {name}, grid {grid}, block {block}: {err.value.decode()}"
 
 
-def _kernel_name(hadamard, mean, rounding, clamp):
+def _harness_entry(hadamard, mean, rounding, clamp):
     """The harness's ADAMW(...) entry of a FUSED_CASES row (its name is stringized from these)."""
     rm, rv = (rounding, rounding) if isinstance(rounding, str) else rounding
-    return f"ADAMW({hadamard}, {int(rm == 'sr')}, {int(rv == 'sr')}, {str(clamp).lower()}, {str(mean == 'block').lower()})"
+    flags = f"{int(rm == 'sr')}, {int(rv == 'sr')}, {str(clamp).lower()}, {str(mean == 'block').lower()}"
+    return f"ADAMW({hadamard}, {flags})"
 
 
 @pytest.fixture(scope="module")
@@ -727,7 +740,7 @@ def adamw_grid(tmp_path_factory):
         pytest.skip("g++ not installed")
     d = tmp_path_factory.mktemp("adamw_grid")
     shims = EMU_CPP.split("#include KERNELS_CU_PATH")[0]
-    table = " ".join(_kernel_name(*case) for case in FUSED_CASES)
+    table = " ".join(_harness_entry(*case) for case in FUSED_CASES)
     (d / "emu.cpp").write_text(shims + f"#define EMU_KERNELS {table}\n" + EMU_GRID)
     cmd = ["g++", "-O1", "-std=c++17", "-mfma", "-ffp-contract=off", "-frounding-math", "-shared", "-fPIC",
            f'-DKERNELS_CU_PATH="{KERNELS_CU}"', "-o", str(d / "emu.so"), str(d / "emu.cpp")]
@@ -748,6 +761,36 @@ def test_emulated_kernel_matches_reference(adamw_grid, monkeypatch, hadamard, me
     monkeypatch.setattr(optim, "_kernel_device", lambda p: True)
     fused_against_twin("cpu", hadamard, mean, rounding, clamp)
     assert emu.launches == 2 * 3 * 4  # two passes, 3 tensors, 4 steps: the fused path ran
+
+
+def test_grid_emulation_rejects_bad_launches(adamw_grid, monkeypatch):
+    """The harness's own checks fire on optim's first launch with one argument spoiled: a type
+    against the kernel's signature, a buffer smaller than the kernel reads, two buffers that
+    overlap, a Python number where CuPy needs a numpy scalar. (Inside the launcher's call: its
+    amax and g_new tensors live only as long as it runs.)"""
+    import numpy as np
+    emu, small, checked = GridEmu(adamw_grid), torch.zeros(16, dtype=torch.uint8), []
+
+    def spoiled_first(device, name, grid, block, args):
+        if not checked:
+            spoiled = {"argument types PPiu": (2, np.int32(args[2])), "argument 4 .* its tensor holds 16":
+                       (4, emu.ptr(small)), "argument 5 .* overlaps argument 4": (5, args[4])}
+            for message, (i, value) in spoiled.items():
+                with pytest.raises(AssertionError, match=message):
+                    emu.launch(device, name, grid, block, args[:i] + (value,) + args[i + 1:])
+            with pytest.raises(TypeError, match="argument 3: int"):
+                emu.launch(device, name, grid, block, args[:3] + (128,) + args[4:])
+            checked.append(name)
+        emu.launch(device, name, grid, block, args)
+
+    monkeypatch.setattr(kernels, "launch", spoiled_first)
+    monkeypatch.setattr(kernels, "_ptr", emu.ptr)
+    monkeypatch.setattr(optim, "_kernel_device", lambda p: True)
+    p = torch.nn.Parameter(torch.randn(33, 128))
+    p.grad = torch.randn(33, 128)
+    optim.AdamW([p], state="nvfp4", hadamard=128, mean="block", fused=True).step()
+    # 3 refused (the TypeError comes before the count), then the 2 passes
+    assert checked == ["adamw_nvfp4<128, 1, 0, true, true>"] and emu.launches == 3 + 2
 
 
 # ---------------------------------------------------------------------------------------------
