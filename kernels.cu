@@ -50,6 +50,8 @@
 // Host emulation: with FP4_HOST_EMU defined (and host shims for the intrinsics and for
 // shfl_xor), the device math up to the Loads section compiles as plain C++:
 // test_kernels.py::test_host_emulation_mx checks the MXFP4 paths against the reference on the CPU.
+// FP4_HOST_EMU_ADAMW adds the Loads and the AdamW section's kernel, which test_optim.py runs as a
+// whole grid on the host (test_emulated_kernel_matches_reference).
 // The Blackwell scale swizzle stays a torch permute (fp4.swizzle_scales): one gather over the
 // scales (1/16 or 1/32 of the elements), nothing for a kernel to fuse.
 
@@ -758,9 +760,10 @@ __device__ __forceinline__ void mx_lane_signs(MxArgs& a, u32 q, int has_signs, u
   }
 }
 
-#ifndef FP4_HOST_EMU  // the host emulation stops here: loads and kernels are device-only
 // ---------------------------------------------------------------------------------------------
-// Loads
+// Loads (host-built too with FP4_HOST_EMU_ADAMW: test_optim.py's grid emulation of the AdamW kernel
+// brings the vector types and __ldg)
+#if !defined(FP4_HOST_EMU) || defined(FP4_HOST_EMU_ADAMW)
 
 __device__ __forceinline__ void bf16x2_to_f32(u32 w, float& a, float& b) {
   a = __uint_as_float(w << 16);
@@ -810,6 +813,9 @@ __device__ __forceinline__ float load_one(const void* src, u64 off) {
   }
 }
 
+#endif  // !FP4_HOST_EMU || FP4_HOST_EMU_ADAMW
+
+#ifndef FP4_HOST_EMU  // the other host emulations stop here: the kernels are device-only
 // ---------------------------------------------------------------------------------------------
 // Seeds and signs from device memory (dseed non-null): the FP4Linear backward draws its seed on
 // the GPU, so a captured CUDA graph gets fresh randomness on every replay. seed becomes
@@ -1394,12 +1400,16 @@ template __global__ void dequant<2>(const u8*, const u8*, const float*, u32, u32
 //       the new states' amax first, so pass 1 recomputes the update and only max-reduces the two
 //       amaxes; pass 0 recomputes it (same bits) and writes the parameter, codes, scales, means and
 //       the two new tensor scales (to g_out: the old ones are still being read).
-//       A thread holds E = 32 consecutive elements (16 for H = 0 and 16 without the mean); a
-//       128-block of the mean spans 4 lanes, an H-block H / E (lane q), whose butterfly stages and
-//       mean sums go through shfl_xor_all. adamw_group is the per-thread math; it also builds as
-//       host C++ (FP4_HOST_EMU with FP4_HOST_EMU_ADAMW, whose harness brings shfl_xor_all):
-//       test_optim.py::test_host_emulation_adamw checks it against the reference on the CPU.
+//       A thread holds E = adamw_elems<H, MEAN> consecutive elements (32; 16 for H < 32 without the
+//       mean); a 128-block of the mean spans 4 lanes, an H-block H / E (lane q), whose butterfly
+//       stages and mean sums go through shfl_xor_all. adamw_group is the per-thread math. The whole
+//       kernel also builds as host C++ (FP4_HOST_EMU with FP4_HOST_EMU_ADAMW, whose harness brings
+//       shfl_xor_all, __syncthreads and the grid): test_optim.py::test_emulated_kernel_matches_reference
+//       runs optim's own launches of it on the CPU against the reference, bit for bit.
 #if !defined(FP4_HOST_EMU) || defined(FP4_HOST_EMU_ADAMW)
+
+template <int H, bool MEAN>  // elements a thread (the launcher's n = numel / E)
+constexpr int adamw_elems = MEAN || H >= 32 ? 32 : 16;
 
 struct AdamArgs {
   u32 K;                    // the parameter's last dim (rows of the states' (R, K) view)
@@ -1541,14 +1551,13 @@ __device__ __forceinline__ void adamw_group(const float (&gr)[E], float (&x)[E],
   if (MEAN && a.pass == 0 && q == 0) a.vmean[base / HB] = mu;
 }
 
-#ifndef FP4_HOST_EMU
 template <int H, int RNDM, int RNDV, bool CLAMP, bool MEAN>
 __global__ void __launch_bounds__(256) adamw_nvfp4(
     float* __restrict__ p, const float* __restrict__ grad, u32 n, u32 K,
     u8* mc, u8* ms, const float* mg, u8* vc, u8* vs, const float* vg, float* vmean,
     float b1, float omb1, float b2, float omb2, float clampc, float bc2s, float eps, float neg_step,
     float decay, float hs, u32 seed_m, u32 key_m, u32 seed_v, u32 key_v, int pass, u32* amax, float* g_out) {
-  constexpr int E = MEAN || H >= 32 ? 32 : 16;
+  constexpr int E = adamw_elems<H, MEAN>;
   constexpr int LANES = MEAN ? 128 / E : (H > E ? H / E : 1);  // lanes of a mean or Hadamard block
   __shared__ float gsh[2];
   if (pass == 0) {  // the new tensor scales, from pass 1's amaxes
@@ -1575,7 +1584,8 @@ __global__ void __launch_bounds__(256) adamw_nvfp4(
   }
 }
 
-#ifndef __CUDACC_RTC__  // for plain nvcc (CI's compile check); NVRTC instantiates what optim launches
+#if !defined(__CUDACC_RTC__) && !defined(FP4_HOST_EMU)  // plain nvcc (CI's compile check); NVRTC
+// instantiates what optim launches, the host emulation what its harness lists
 #define ADAMW_NVFP4_ARGS float*, const float*, u32, u32, u8*, u8*, const float*, u8*, u8*, const float*, float*, \
   float, float, float, float, float, float, float, float, float, float, u32, u32, u32, u32, int, u32*, float*
 template __global__ void adamw_nvfp4<128, 1, 1, true, true>(ADAMW_NVFP4_ARGS);
@@ -1589,7 +1599,7 @@ template __global__ void adamw_nvfp4<0, 0, 0, true, false>(ADAMW_NVFP4_ARGS);
 template __global__ void adamw_nvfp4<0, 1, 0, true, false>(ADAMW_NVFP4_ARGS);
 template __global__ void adamw_nvfp4<0, 1, 1, true, true>(ADAMW_NVFP4_ARGS);
 template __global__ void adamw_nvfp4<128, 1, 1, false, true>(ADAMW_NVFP4_ARGS);
+template __global__ void adamw_nvfp4<128, 1, 1, true, false>(ADAMW_NVFP4_ARGS);
 #undef ADAMW_NVFP4_ARGS
 #endif
-#endif  // FP4_HOST_EMU
 #endif  // !FP4_HOST_EMU || FP4_HOST_EMU_ADAMW

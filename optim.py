@@ -306,11 +306,12 @@ def zero_state(shape, kind, group, device):
     r = math.prod(shape) // k
     u8 = dict(dtype=torch.uint8, device=device)
     s = dict(format="nvfp4", kind=kind, shape=tuple(shape), hadamard=n, rounding=_roundings(group)[kind == "sqrt"],
-             mean_over=mean if kind == "sqrt" else "none", codes=torch.zeros(r, k // 2, **u8),
-             scales=torch.zeros(r, k // 16, **u8), tensor_scale=torch.ones((), device=device))
-    if kind == "sqrt":
+             mean_over=mean if kind == "sqrt" else "none")
+    if kind == "sqrt":  # quantize_state's field order too: the mean before the codes
         cols = k // MEAN_BLOCK if mean == "block" else 1
         s["mean"] = torch.zeros(1 if mean in ("tensor", "none") else r, cols, device=device)
+    s.update(codes=torch.zeros(r, k // 2, **u8), scales=torch.zeros(r, k // 16, **u8),
+             tensor_scale=torch.ones((), device=device))
     return s
 
 
@@ -389,9 +390,10 @@ def adamw_nvfp4_reference(p, m, v, c):
 # The fused GPU path: kernels.cu's adamw_nvfp4, launched twice per parameter tensor through
 # kernels.launch (pass 1: the new states' amaxes for the NVFP4 tensor scales; pass 0: everything else).
 
-# fused=None means the kernel only once it has passed its GPU test: on the H200 (2026-12-01) every
-# case of test_optim.py::test_fused_kernel_matches_reference failed, so until a GPU run passes,
-# None runs the PyTorch reference (correct, ~5x slower at 1B: README) and fused=True is opt-in.
+# fused=None means the kernel only once it has passed its GPU test. Its first H200 run (2026-12-01)
+# failed in every case, from a bug in the test (states compared by position; found through the
+# whole-kernel host emulation and fixed); until the rerun passes, None runs the PyTorch reference
+# (the same bits, ~5x slower at 1B: README) and fused=True is opt-in.
 FUSED_BY_DEFAULT = False
 
 
@@ -401,13 +403,19 @@ def _use_kernel(p, st, group):
     (the group changed since) goes through the reference, which reads the stored one."""
     if group["fused"] is False or (group["fused"] is None and not FUSED_BY_DEFAULT):
         return False
-    ok = (p.is_cuda and fp4.kernels_enabled() and p.dtype == torch.float32 and p.grad.dtype == torch.float32
+    ok = (_kernel_device(p) and p.dtype == torch.float32 and p.grad.dtype == torch.float32
           and kernels._aligned(p) and kernels._aligned(p.grad) and group["mean"] in ("block", "none")
           and st["exp_avg"]["hadamard"] == group["hadamard"] and st["exp_avg_sq"]["mean_over"] == group["mean"])
     if group["fused"] and not ok:
         raise ValueError("fused=True needs FP32 contiguous CUDA parameters and gradients, CuPy, and "
                          f"mean 'block' or 'none'; got {p.dtype} on {p.device}, mean {group['mean']!r}")
     return ok
+
+
+def _kernel_device(p):
+    """Whether p's device runs kernels.cu: CUDA, with CuPy (test_optim's host emulation of the
+    kernel says yes on the CPU)."""
+    return p.is_cuda and fp4.kernels_enabled()
 
 
 def _adamw_nvfp4_kernel(p, st, group, c, seeds):
@@ -431,6 +439,7 @@ def _adamw_nvfp4_kernel(p, st, group, c, seeds):
     for pass_ in (1, 0):
         kernels.launch(p.device, name, (-(-n // 256),), (256,), head + (np.int32(pass_), ptr(amax), ptr(g_new)))
     m["tensor_scale"], v["tensor_scale"] = g_new[0], g_new[1]
+    m["rounding"], v["rounding"] = rm, rv  # this step's, as the twin's new states say
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ torch.manual_seed(0)
 
 def first_mismatches(got, want, n=5):
     """A message with the first n positions where got != want (NaN == NaN)."""
+    if got.shape != want.shape:  # no positions to compare (broadcasting would index out of range)
+        return f"shapes differ: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}"
     bad = ~((got == want) | (torch.isnan(got.float()) & torch.isnan(want.float())))
     idx = bad.nonzero()[:n].tolist()
     return f"{int(bad.sum())} mismatches; first: " + ", ".join(

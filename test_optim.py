@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fp4
+import kernels
 import optim
 from bench import regression_loss
 from test_fp4 import assert_same, first_mismatches
@@ -87,7 +88,7 @@ def test_state_layout_and_fp32_fallback():
     for kind in optim.STATE_KINDS:
         z = optim.zero_state((4, 32, 128), kind, group, "cpu")
         q = optim.quantize_state(torch.zeros(4, 32, 128), kind)
-        assert z.keys() == q.keys()
+        assert list(z) == list(q)  # the same fields in the same order
         for k in z:
             if isinstance(z[k], torch.Tensor):
                 assert_same(z[k], q[k].reshape(z[k].shape))
@@ -354,218 +355,442 @@ def test_state_bytes_of_the_1b_parameter_set():
     assert optim.state_bytes(fp32_opt) == 8 * n + 4 * len(params)
 
 
-def _state_tensors(st):
-    """(name, tensor) of a parameter's state: packed fields or the FP32 tensors."""
-    out = []
+def _state_fields(st):
+    """{field name: value} of a parameter's state: every packed field (tensors as CPU copies), or
+    the FP32 tensors."""
+    out = {}
     for k in ("exp_avg", "exp_avg_sq"):
-        s = st[k]
-        out += [(f"{k}.{f}", t) for f, t in s.items() if isinstance(t, torch.Tensor)] if optim.is_packed(s) else [(k, s)]
+        s = st[k] if optim.is_packed(st[k]) else {None: st[k]}
+        out.update({f"{k}.{f}" if f else k: v.cpu().clone() if isinstance(v, torch.Tensor) else v
+                    for f, v in s.items()})
     return out
 
 
-@gpu
-@pytest.mark.parametrize("hadamard,mean,rounding,clamp", [
+# Every adamw_nvfp4 instantiation optim launches in these tests: (hadamard, mean, rounding, clamp)
+FUSED_CASES = [
     (128, "block", "sr", True), (128, "block", "rn", True), (128, "block", ("sr", "rn"), True),
     (64, "block", "sr", True), (32, "block", "sr", True), (16, "block", "sr", True), (0, "none", "sr", True),
     (0, "none", "rn", True), (0, "none", ("sr", "rn"), True), (0, "block", "sr", True), (128, "none", "sr", True),
-    (128, "block", "sr", False)])
-def test_fused_kernel_matches_reference(hadamard, mean, rounding, clamp):
-    """The fused adamw_nvfp4 kernel against the PyTorch twin on the same GPU, bit for bit: the
-    parameters and every state tensor after each of 4 steps, with heavy-tailed gradients, a tail
-    warp (33 x 128: 132 threads for H 128) and a NaN gradient in the last step."""
+    (128, "block", "sr", False)]
+
+
+def _adamw_snapshots(device, fused, case, init, grads):
+    """Each step's parameters and state fields {name: CPU copy} of AdamW(state='nvfp4') on `device`."""
+    hadamard, mean, rounding, clamp = case
+    ps = [torch.nn.Parameter(t.clone().to(device)) for t in init]
+    opt = optim.AdamW(ps, lr=1e-2, state="nvfp4", hadamard=hadamard, mean=mean, rounding=rounding,
+                      ratio_clamp=clamp, fused=fused, seed=3)
+    snaps = []
+    for step in range(len(grads[0])):
+        for p, g in zip(ps, grads):
+            p.grad = g[step].to(device)
+        opt.step()
+        snap = {f"param {i}": p.detach().cpu().clone() for i, p in enumerate(ps)}
+        for i, p in enumerate(ps):
+            snap.update({f"param {i} {n}": v for n, v in _state_fields(opt.state[p]).items()})
+        snaps.append(snap)
+    return snaps
+
+
+def _differences(got, want):
+    """One line per (step, field) where two runs' snapshots differ (NaN == NaN), with its first
+    mismatching positions."""
+    bad = []
+    for step, (a, b) in enumerate(zip(got, want)):
+        if list(a) != list(b):
+            bad.append(f"step {step}: fields {sorted(set(a) - set(b))} only in one, {sorted(set(b) - set(a))} only "
+                       "in the other, or in another order")
+            continue
+        for name, y in b.items():
+            x = a[name]
+            if not isinstance(y, torch.Tensor) or not isinstance(x, torch.Tensor):
+                if x != y:
+                    bad.append(f"step {step}, {name}: {x!r} != {y!r}")
+            elif (x.dtype, x.shape) != (y.dtype, y.shape):
+                bad.append(f"step {step}, {name}: {x.dtype} {tuple(x.shape)} != {y.dtype} {tuple(y.shape)}")
+            elif not bool(((x == y) | (torch.isnan(x.float()) & torch.isnan(y.float()))).all()):
+                bad.append(f"step {step}, {name} {tuple(y.shape)}: " + first_mismatches(x, y))
+    return bad
+
+
+def fused_against_twin(device, hadamard, mean, rounding, clamp):
+    """AdamW(state='nvfp4', fused=True) on `device` (the adamw_nvfp4 kernel) against fused=False
+    on the CPU (the PyTorch twin: the definition), bit for bit: the parameters and every state
+    field, by name, after each of 4 steps, with heavy-tailed gradients, a tail warp (33 x 128: 132
+    threads for H 128) and a NaN gradient in the last step. Off the CPU the twin runs on `device` too
+    and must agree with the CPU's (its quantizer there is kernels.cu's quant_rows). Fails with every
+    mismatching (step, field) and its first positions."""
     shapes = [(33, 128), (64, 1024), (3, 16, 256)]
     gen = torch.Generator().manual_seed(11)
     init = [torch.randn(s, generator=gen) for s in shapes]
     grads = [heavy_grads(s if len(s) == 2 else (s[0] * s[1], s[2]), 4, seed=i).view(4, *s) for i, s in enumerate(shapes)]
     grads[1][3, 7, 9] = float("nan")
-    runs = {}
-    for fused in (True, False):
-        ps = [torch.nn.Parameter(t.clone().cuda()) for t in init]
-        opt = optim.AdamW(ps, lr=1e-2, state="nvfp4", hadamard=hadamard, mean=mean, rounding=rounding,
-                          ratio_clamp=clamp, fused=fused, seed=3)
-        snaps = []
-        for step in range(4):
-            for p, g in zip(ps, grads):
-                p.grad = g[step].cuda()
-            opt.step()
-            snaps.append([p.detach().clone() for p in ps] + [t.clone() for p in ps for _, t in _state_tensors(opt.state[p])])
-        runs[fused] = snaps
-    names = [f"param {i}" for i in range(len(shapes))] + [f"{i}: {n}" for i, p in enumerate(shapes)
-                                                           for n, _ in _state_tensors(opt.state[ps[i]])]
-    for step, (a, b) in enumerate(zip(runs[True], runs[False])):
-        for name, x, y in zip(names, a, b):
-            same = (x == y) | (torch.isnan(x.float()) & torch.isnan(y.float()))
-            assert bool(same.all()), f"step {step}, {name}: " + first_mismatches(x.cpu(), y.cpu())
+    case = (hadamard, mean, rounding, clamp)
+    twin = _adamw_snapshots("cpu", False, case, init, grads)
+    bad = [f"fused on {device} vs twin on cpu: {line}" for line in
+           _differences(_adamw_snapshots(device, True, case, init, grads), twin)]
+    if device != "cpu":
+        bad += [f"twin on {device} vs twin on cpu: {line}" for line in
+                _differences(_adamw_snapshots(device, False, case, init, grads), twin)]
+    assert not bad, f"{len(bad)} fields differ:\n" + "\n".join(bad[:16])
 
 
-# Host emulation (CPU, g++) of the fused kernel's per-thread math (kernels.cu's adamw_group), with
-# test_kernels.py's intrinsic and warp-shuffle shims (4 host threads = the lanes of a 128-block):
-# one step from a given state, against the PyTorch twin bit for bit. It checks on every CI run
-# what the GPU test checks on a GPU, except the loads, the stores and the launch.
-EMU_ADAMW_SHUFFLE = r"""
+@gpu
+@pytest.mark.parametrize("hadamard,mean,rounding,clamp", FUSED_CASES)
+def test_fused_kernel_matches_reference(hadamard, mean, rounding, clamp):
+    """The fused adamw_nvfp4 kernel on the GPU against the PyTorch twin on the CPU, and the twin on
+    the GPU against the twin on the CPU (fused_against_twin)."""
+    fused_against_twin("cuda", hadamard, mean, rounding, clamp)
+
+
+# Host emulation (CPU, g++) of the whole fused kernel: kernels.cu built as C++ with FP4_HOST_EMU and
+# FP4_HOST_EMU_ADAMW, test_kernels.py's intrinsic shims, and the harness below that runs a CUDA grid
+# on the host. optim's own launcher runs unchanged (kernels.launch and kernels._ptr replaced), so
+# the argument order and types, the grid, both passes, the loads, stores, atomics and the tail warp
+# are what the GPU runs, against the twin bit for bit: what test_fused_kernel_matches_reference
+# checks, on every CI run.
+EMU_GRID = r"""
+// A CUDA grid on the host. Every thread of a block is a fiber (ucontext) on this one OS thread. A
+// warp runs in rounds, each live lane (in a random order) up to its next collective: half of a
+// shfl_xor_all (write, then read) or __syncthreads. A round whose lanes disagree (some at a
+// shuffle, some exited or at __syncthreads) is divergence: reported, as it hangs or is undefined on
+// a GPU. Blocks, and the warps of a block between __syncthreads, run in a random order (seeded):
+// an ordering bug between threads changes the result. Each buffer of the kernel's contract
+// (adamw_buffers) is copied into an arena with canaries around it, after checking it against the
+// bytes of the tensor the launcher passed: reads past it see garbage, writes past it are reported.
+#include <functional>
+#include <numeric>
+#include <random>
+#include <tuple>
+#include <type_traits>
+#include <ucontext.h>
+#include <utility>
 #define FP4_HOST_EMU_ADAMW
-// the lanes' shuffles of whole arrays: one exchange through the quad barrier, not one per element
-static float aslot[4][32];
+#define __global__
+#define __launch_bounds__(...)
+#define __shared__ static  // one block runs at a time: its shared memory
+
+struct EmuDim { unsigned x, y, z; };
+static EmuDim threadIdx = {0, 0, 0}, blockIdx = {0, 0, 0}, blockDim = {1, 1, 1}, gridDim = {1, 1, 1};
+struct float2 { float x, y; };
+struct float4 { float x, y, z, w; };
+static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+template <class T> static inline T __ldg(const T* p) { return *p; }
+struct __half { unsigned short x; };
+struct __half2 { __half x, y; };
+static inline __half __ushort_as_half(unsigned short u) { return {u}; }
+static inline float __half2float(__half h) { _Float16 f; memcpy(&f, &h.x, 2); return (float)f; }
+static inline float2 __half22float2(__half2 h) { return {__half2float(h.x), __half2float(h.y)}; }
+
+enum FiberState { RUNNING, AT_SHFL, AT_SYNC, EXITED };
+struct Fiber { ucontext_t uc; FiberState state; };
+static ucontext_t sched_ctx;
+static Fiber* cur = nullptr;
+static std::function<void()> body;  // the kernel call with its arguments, the same in every thread
+static std::string emu_err;
+
+static void fiber_main() { body(); cur->state = EXITED; }  // then back to sched_ctx (uc_link)
+static void park(FiberState s) { cur->state = s; swapcontext(&cur->uc, &sched_ctx); }
+static void fail(const std::string& msg) { if (emu_err.empty()) emu_err = msg; park(EXITED); }  // not resumed
+static void __syncthreads() { park(AT_SYNC); }
+
+static float wslot[32][32][32];  // [warp][lane][element]: what a lane offers to shfl_xor_all
 template <int E> static void shfl_xor_all(float (&y)[E], const float (&x)[E], int m) {
-  for (int i = 0; i < E; i++) aslot[t_lane][i] = x[i];
-  barrier();
-  for (int i = 0; i < E; i++) y[i] = aslot[t_lane ^ m][i];
-  barrier();
-}
-"""
-EMU_ADAMW = r"""
-#include <string>
-template <class T> static std::vector<T> rd(const std::string& path, size_t n) {
-  std::vector<T> v(n);
-  FILE* f = fopen(path.c_str(), "rb");
-  if (!f || fread(v.data(), sizeof(T), n, f) != n) { fprintf(stderr, "short read %s\n", path.c_str()); exit(3); }
-  fclose(f);
-  return v;
-}
-template <class T> static void wr(const std::string& path, const std::vector<T>& v) {
-  FILE* f = fopen(path.c_str(), "wb"); fwrite(v.data(), sizeof(T), v.size(), f); fclose(f);
+  static_assert(E <= 32, "wslot holds 32 elements a lane");
+  const unsigned w = threadIdx.x / 32, lane = threadIdx.x % 32, src = lane ^ (unsigned)m;
+  if (m < 0 || src >= 32 || 32 * w + src >= blockDim.x)
+    fail("thread " + std::to_string(threadIdx.x) + ": shfl_xor_all mask " + std::to_string(m) + " leaves the warp");
+  memcpy(wslot[w][lane], x, sizeof x);
+  park(AT_SHFL);  // every lane has written
+  memcpy(y, wslot[w][src], sizeof y);
+  park(AT_SHFL);  // every lane has read
 }
 
-// pass 1 over every thread's group (each host lane max-reduces into its own amax), then pass 0.
-template <int H, int RM, int RV, bool CLAMP, bool MEAN>
-static void run(AdamArgs a, std::vector<float>& p, const std::vector<float>& g, float* gnew) {
-  constexpr int E = MEAN || H >= 32 ? 32 : 16;
-  constexpr int L = MEAN ? 128 / E : (H > E ? H / E : 1);  // lanes of a mean or Hadamard block
-  const uint64_t n = p.size() / E;
-  u32 amax[4][2] = {};
-  for (int pass = 1; pass >= 0; pass--) {
-    a.pass = pass;
-    if (pass == 0) {
-      for (int k = 0; k < 2; k++)
-        gnew[k] = state_tensor_scale(std::max(std::max(amax[0][k], amax[1][k]), std::max(amax[2][k], amax[3][k])));
-      a.g_new = gnew;
+static const size_t STACK = 1 << 17;
+static std::vector<Fiber> fibers;
+static std::vector<std::vector<char>> stacks;
+
+static bool run_warp(unsigned w, std::mt19937& rng) {  // until every lane is at __syncthreads or exited
+  const unsigned lo = 32 * w, hi = std::min(lo + 32, blockDim.x);
+  std::vector<unsigned> order;
+  for (;;) {
+    order.clear();
+    for (unsigned t = lo; t < hi; t++) if (fibers[t].state == RUNNING) order.push_back(t);
+    if (order.empty()) return true;
+    std::shuffle(order.begin(), order.end(), rng);
+    for (unsigned t : order) {
+      cur = &fibers[t];
+      threadIdx.x = t;
+      swapcontext(&sched_ctx, &cur->uc);
+      if (!emu_err.empty()) return false;
     }
-    auto lane = [&](int q4) {
-      t_lane = q4;
-      AdamArgs b = a;
-      b.amax = amax[q4];
-      for (uint64_t t0 = 0; t0 < n; t0 += (L > 1 ? 4 : 1)) {
-        const uint64_t t = t0 + (L > 1 ? q4 : 0);
-        const bool valid = t < n;
-        const uint64_t base = (valid ? t : 0) * E;
-        float gr[E], x[E];
-        for (int i = 0; i < E; i++) { gr[i] = g[base + i]; x[i] = p[base + i]; }
-        adamw_group<E, H, RM, RV, CLAMP, MEAN>(gr, x, b, base, (u32)(t % L), valid);
-        if (pass == 0 && valid) for (int i = 0; i < E; i++) p[base + i] = x[i];
-      }
-    };
-    if (L > 1) {
-      std::vector<std::thread> th;
-      for (int q = 0; q < 4; q++) th.emplace_back(lane, q);
-      for (auto& t : th) t.join();
-    } else {
-      lane(0);
+    unsigned n[4] = {0, 0, 0, 0};
+    for (unsigned t = lo; t < hi; t++) n[fibers[t].state]++;
+    if (n[AT_SHFL] && n[AT_SHFL] != hi - lo) {
+      emu_err = "block " + std::to_string(blockIdx.x) + " warp " + std::to_string(w) + ": divergent shuffle (" +
+                std::to_string(n[AT_SHFL]) + " lanes at it, " + std::to_string(n[AT_SYNC]) + " at __syncthreads, " +
+                std::to_string(n[EXITED]) + " exited)";
+      return false;
     }
+    for (unsigned t = lo; t < hi; t++) if (fibers[t].state == AT_SHFL) fibers[t].state = RUNNING;
   }
 }
 
-int main(int argc, char** argv) {
-  if (argc < 8) { fprintf(stderr, "usage: H rnd clamp mean n K dir (rnd: 2 bits, m's then v's)\n"); return 2; }
-  const int H = atoi(argv[1]), rnd = atoi(argv[2]), clamp = atoi(argv[3]), mean = atoi(argv[4]);
-  const size_t n = strtoull(argv[5], 0, 10);
-  const std::string d = std::string(argv[7]) + "/";
-  AdamArgs a = {};
-  a.K = (u32)atoi(argv[6]);
-  auto p = rd<float>(d + "p", n), g = rd<float>(d + "g", n);
-  auto mc = rd<u8>(d + "mc", n / 2), ms = rd<u8>(d + "ms", n / 16), vc = rd<u8>(d + "vc", n / 2), vs = rd<u8>(d + "vs", n / 16);
-  auto mg = rd<float>(d + "mg", 1), vg = rd<float>(d + "vg", 1);
-  std::vector<float> vmean = mean ? rd<float>(d + "vmean", n / 128) : std::vector<float>(1);
-  auto sc = rd<float>(d + "scalars", 10);
-  auto seeds = rd<u32>(d + "seeds", 4);
-  a.mc = mc.data(); a.ms = ms.data(); a.vc = vc.data(); a.vs = vs.data(); a.mg = mg.data(); a.vg = vg.data();
-  a.vmean = mean ? vmean.data() : nullptr;
-  a.b1 = sc[0]; a.omb1 = sc[1]; a.b2 = sc[2]; a.omb2 = sc[3]; a.clampc = sc[4]; a.bc2s = sc[5]; a.eps = sc[6];
-  a.neg_step = sc[7]; a.decay = sc[8]; a.hs = sc[9];
-  a.seed_m = seeds[0]; a.key_m = seeds[1]; a.seed_v = seeds[2]; a.key_v = seeds[3];
-  std::vector<float> gnew(2);
-#define RUN(H_, RM, RV, C_, M_) \
-  if (H == H_ && rnd == 2 * RM + RV && clamp == C_ && mean == M_) run<H_, RM, RV, C_, M_>(a, p, g, gnew.data());
-  RUN(128, 1, 1, 1, 1) RUN(128, 0, 0, 1, 1) RUN(128, 1, 0, 1, 1) RUN(64, 1, 1, 1, 1) RUN(16, 1, 1, 1, 1)
-  RUN(0, 1, 1, 1, 0) RUN(0, 1, 0, 1, 0) RUN(0, 1, 1, 1, 1) RUN(128, 1, 1, 0, 0)
-  wr(d + "p.out", p); wr(d + "mc.out", mc); wr(d + "ms.out", ms); wr(d + "vc.out", vc); wr(d + "vs.out", vs);
-  wr(d + "vmean.out", vmean); wr(d + "gnew.out", gnew);
+static bool run_block(std::mt19937& rng) {
+  for (unsigned t = 0; t < blockDim.x; t++) {
+    Fiber& f = fibers[t];
+    getcontext(&f.uc);
+    f.uc.uc_stack.ss_sp = stacks[t].data();
+    f.uc.uc_stack.ss_size = STACK;
+    f.uc.uc_link = &sched_ctx;
+    makecontext(&f.uc, fiber_main, 0);
+    f.state = RUNNING;
+  }
+  std::vector<unsigned> warps((blockDim.x + 31) / 32);
+  std::iota(warps.begin(), warps.end(), 0u);
+  for (;;) {  // one phase between __syncthreads
+    std::shuffle(warps.begin(), warps.end(), rng);
+    for (unsigned w : warps) if (!run_warp(w, rng)) return false;
+    bool sync = false;
+    for (unsigned t = 0; t < blockDim.x; t++)
+      if (fibers[t].state == AT_SYNC) { sync = true; fibers[t].state = RUNNING; }
+    if (!sync) return true;
+  }
+}
+
+// ---- launching: the argument slots as the launcher packed them, checked against the signature
+template <class T> constexpr char type_code() {  // what the Python side sends: numpy scalar types
+  if constexpr (std::is_pointer_v<T>) return 'P';  // np.uint64
+  else if constexpr (std::is_same_v<T, unsigned>) return 'u';  // np.uint32
+  else if constexpr (std::is_same_v<T, int>) return 'i';  // np.int32
+  else { static_assert(std::is_same_v<T, float>, "a parameter type the harness does not map"); return 'f'; }
+}
+template <class T> static void* as_ptr(const T& v) {
+  if constexpr (std::is_pointer_v<T>) return (void*)v;
+  else return nullptr;
+}
+template <class T> static void set_ptr(T& v, void* p) { if constexpr (std::is_pointer_v<T>) v = (T)p; }
+template <class Tup, size_t... I> static void* arg_ptr(const Tup& t, size_t i, std::index_sequence<I...>) {
+  void* r = nullptr;
+  ((I == i ? (void)(r = as_ptr(std::get<I>(t))) : (void)0), ...);
+  return r;
+}
+template <class Tup, size_t... I> static void set_arg_ptr(Tup& t, size_t i, void* p, std::index_sequence<I...>) {
+  ((I == i ? set_ptr(std::get<I>(t), p) : (void)0), ...);
+}
+
+struct Buf { size_t arg, bytes, align; };
+static const size_t GUARD = 64;  // canary bytes on either side of a buffer
+
+template <class... A>
+static int launch(void (*kernel)(A...), std::vector<Buf> (*contract)(const std::tuple<A...>&), const char* types,
+                  const unsigned char* packed, const unsigned long long* nbytes, const unsigned* dims,
+                  unsigned long long seed) {
+  using Seq = std::index_sequence_for<A...>;
+  const std::string want = {type_code<A>()...};
+  if (want != types) { emu_err = std::string("argument types ") + types + " != the kernel's " + want; return 1; }
+  if (dims[1] * dims[2] * dims[4] * dims[5] != 1 || !dims[0] || !dims[3] || dims[3] > 1024) {
+    emu_err = "the harness runs 1-D grids of 1 to 1024 threads a block";
+    return 1;
+  }
+  std::tuple<A...> args;
+  size_t slot = 0;
+  std::apply([&](auto&... a) { ((memcpy(&a, packed + 8 * slot++, sizeof a)), ...); }, args);
+  const std::vector<Buf> bufs = contract(args);
+  std::vector<bool> listed(sizeof...(A));
+  for (const Buf& b : bufs) listed[b.arg] = true;
+  for (size_t i = 0; i < sizeof...(A); i++)
+    if (!listed[i] && arg_ptr(args, i, Seq{})) {
+      emu_err = "argument " + std::to_string(i) + ": a pointer outside the contract";
+      return 1;
+    }
+  std::vector<std::vector<unsigned char>> arena(bufs.size());
+  std::vector<unsigned char*> at(bufs.size()), orig(bufs.size());
+  for (size_t k = 0; k < bufs.size(); k++) {
+    const Buf& b = bufs[k];
+    unsigned char* p = orig[k] = (unsigned char*)arg_ptr(args, b.arg, Seq{});
+    const std::string what = "argument " + std::to_string(b.arg) + " (" + std::to_string(b.bytes) + " bytes): ";
+    if (!b.bytes) { set_arg_ptr(args, b.arg, nullptr, Seq{}); continue; }  // unused: the kernel must not touch it
+    if (!p) { emu_err = what + "null"; return 1; }
+    if ((uintptr_t)p % b.align) { emu_err = what + "not " + std::to_string(b.align) + "-byte aligned"; return 1; }
+    if (nbytes[b.arg] < b.bytes) { emu_err = what + "its tensor holds " + std::to_string(nbytes[b.arg]); return 1; }
+    for (size_t j = 0; j < k; j++) {
+      const unsigned char* q = orig[j];
+      if (q && bufs[j].bytes && p < q + bufs[j].bytes && q < p + b.bytes) {
+        emu_err = what + "overlaps argument " + std::to_string(bufs[j].arg);
+        return 1;
+      }
+    }
+    arena[k].assign(b.bytes + 2 * GUARD + 16, 0xA5);
+    at[k] = arena[k].data() + GUARD + (16 - (uintptr_t)(arena[k].data() + GUARD) % 16) % 16;
+    memcpy(at[k], p, b.bytes);
+  }
+  for (size_t k = 0; k < bufs.size(); k++) if (bufs[k].bytes) set_arg_ptr(args, bufs[k].arg, at[k], Seq{});
+  body = [&] { std::apply(kernel, args); };
+  blockDim = {dims[3], 1, 1};
+  gridDim = {dims[0], 1, 1};
+  if (fibers.size() < blockDim.x) { fibers.resize(blockDim.x); stacks.resize(blockDim.x, std::vector<char>(STACK)); }
+  std::mt19937 rng((unsigned)seed);
+  std::vector<unsigned> blocks(gridDim.x);
+  std::iota(blocks.begin(), blocks.end(), 0u);
+  std::shuffle(blocks.begin(), blocks.end(), rng);
+  for (unsigned b : blocks) {
+    blockIdx.x = b;
+    if (!run_block(rng)) return 1;
+  }
+  for (size_t k = 0; k < bufs.size(); k++) {
+    if (!bufs[k].bytes) continue;
+    for (const unsigned char* c = arena[k].data(); c < arena[k].data() + arena[k].size(); c++)
+      if ((c < at[k] || c >= at[k] + bufs[k].bytes) && *c != 0xA5) {
+        emu_err = "argument " + std::to_string(bufs[k].arg) + ": written " + std::to_string(c - at[k]) +
+                  " bytes from its start, outside its " + std::to_string(bufs[k].bytes);
+        return 1;
+      }
+  }
+  for (size_t k = 0; k < bufs.size(); k++) if (bufs[k].bytes) memcpy(orig[k], at[k], bufs[k].bytes);
   return 0;
+}
+
+#include KERNELS_CU_PATH
+
+// adamw_nvfp4's buffers (kernels.cu, AdamW section): n threads of E elements; parameter and
+// gradient FP32, codes a byte per 2 and scales per 16 elements, the old tensor scales one FP32 each,
+// the means one FP32 per 128 elements (MEAN; else unused), amax and g_out two words.
+template <int H, bool MEAN, class Tup>
+static std::vector<Buf> adamw_buffers(const Tup& a) {
+  constexpr size_t E = adamw_elems<H, MEAN>;
+  const size_t m = (size_t)std::get<2>(a) * E;
+  return {{0, 4 * m, 16}, {1, 4 * m, 16}, {4, m / 2, E / 2}, {5, m / 16, 1}, {6, 4, 4}, {7, m / 2, E / 2},
+          {8, m / 16, 1}, {9, 4, 4}, {10, MEAN ? m / 128 * 4 : 0, 4}, {26, 8, 4}, {27, 8, 4}};
+}
+
+typedef int (*Launcher)(const char*, const unsigned char*, const unsigned long long*, const unsigned*,
+                        unsigned long long);
+#define ADAMW(H, RM, RV, C, M)                                                                          \
+  {"adamw_nvfp4<" #H ", " #RM ", " #RV ", " #C ", " #M ">",                                             \
+   [](const char* t, const unsigned char* a, const unsigned long long* nb, const unsigned* d, unsigned long long s) { \
+     return launch(adamw_nvfp4<H, RM, RV, C, M>, adamw_buffers<H, M>, t, a, nb, d, s);                  \
+   }},
+static const std::pair<const char*, Launcher> KERNELS[] = {EMU_KERNELS};
+
+// kernels.launch's call: the kernel's name as the launcher spells it, the argument type codes and
+// 8-byte slots, the bytes of each pointer argument's tensor, grid and block dims, a schedule seed.
+extern "C" int emu_launch(const char* name, const char* types, const unsigned char* packed,
+                          const unsigned long long* nbytes, const unsigned* dims, unsigned long long seed,
+                          char* err, int errlen) {
+  emu_err.clear();
+  int rc = 2;
+  for (const auto& k : KERNELS) if (!strcmp(k.first, name)) rc = k.second(types, packed, nbytes, dims, seed);
+  if (rc == 2) emu_err = std::string("not built into the emulation: ") + name;
+  snprintf(err, errlen, "%s", emu_err.c_str());
+  return rc;
 }
 """
 
 
+class GridEmu:
+    """kernels.launch and kernels._ptr for the host-built kernels (EMU_GRID): the launcher's numpy
+    arguments go to the harness as 8-byte slots with their type codes; _ptr records the bytes of
+    every tensor it hands out, so the harness can check each buffer's extent."""
+    TYPES = {"uint64": "P", "uint32": "u", "int32": "i", "float32": "f"}
+
+    def __init__(self, lib):
+        self.lib, self.nbytes, self.launches = lib, {}, 0
+
+    def ptr(self, t):
+        import numpy as np
+        if t is not None:
+            self.nbytes[t.data_ptr()] = t.numel() * t.element_size()
+        return np.uint64(0 if t is None else t.data_ptr())
+
+    def launch(self, device, name, grid, block, args):
+        import ctypes
+        import numpy as np
+        kinds = [getattr(a, "dtype", None) for a in args]
+        for i, k in enumerate(kinds):
+            if str(k) not in self.TYPES:
+                raise TypeError(f"{name} argument {i}: {type(args[i]).__name__} {args[i]!r}, not a numpy "
+                                f"uint64 / uint32 / int32 / float32 scalar (CuPy passes by the numpy type)")
+        types = "".join(self.TYPES[str(k)] for k in kinds)
+        packed = b"".join(np.asarray(a).tobytes().ljust(8, b"\0") for a in args)
+        sizes = (ctypes.c_ulonglong * len(args))(*[self.nbytes.get(int(a), 0) if t == "P" else 0
+                                                   for a, t in zip(args, types)])
+        dims = (ctypes.c_uint * 6)(*(tuple(grid) + (1, 1))[:3], *(tuple(block) + (1, 1))[:3])
+        err = ctypes.create_string_buffer(4096)
+        self.launches += 1
+        rc = self.lib.emu_launch(name.encode(), types.encode(), packed, sizes, dims,
+                                 ctypes.c_ulonglong(self.launches), err, len(err))
+        assert rc == 0, f"emulated {name}, grid {grid}, block {block}: {err.value.decode()}"
+
+
+def _harness_entry(hadamard, mean, rounding, clamp):
+    """The harness's ADAMW(...) entry of a FUSED_CASES row (its name is stringized from these)."""
+    rm, rv = (rounding, rounding) if isinstance(rounding, str) else rounding
+    flags = f"{int(rm == 'sr')}, {int(rv == 'sr')}, {str(clamp).lower()}, {str(mean == 'block').lower()}"
+    return f"ADAMW({hadamard}, {flags})"
+
+
 @pytest.fixture(scope="module")
-def adamw_emu(tmp_path_factory):
+def adamw_grid(tmp_path_factory):
+    import ctypes
     import shutil
     import subprocess
     from test_kernels import EMU_CPP, KERNELS_CU
     if shutil.which("g++") is None:
         pytest.skip("g++ not installed")
-    d = tmp_path_factory.mktemp("adamw_emu")
+    d = tmp_path_factory.mktemp("adamw_grid")
     shims = EMU_CPP.split("#include KERNELS_CU_PATH")[0]
-    (d / "emu.cpp").write_text(shims + EMU_ADAMW_SHUFFLE + "#include KERNELS_CU_PATH\n" + EMU_ADAMW)
-    cmd = ["g++", "-O1", "-std=c++17", "-mfma", "-ffp-contract=off", "-frounding-math", "-pthread",
-           f'-DKERNELS_CU_PATH="{KERNELS_CU}"', "-o", str(d / "emu"), str(d / "emu.cpp")]
+    table = " ".join(_harness_entry(*case) for case in FUSED_CASES)
+    (d / "emu.cpp").write_text(shims + f"#define EMU_KERNELS {table}\n" + EMU_GRID)
+    cmd = ["g++", "-O1", "-std=c++17", "-mfma", "-ffp-contract=off", "-frounding-math", "-shared", "-fPIC",
+           f'-DKERNELS_CU_PATH="{KERNELS_CU}"', "-o", str(d / "emu.so"), str(d / "emu.cpp")]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0 and "-mfma" in res.stderr:
         pytest.skip("host compiler without FMA")
     assert res.returncode == 0, res.stderr[-4000:]
-    return d / "emu"
+    return ctypes.CDLL(str(d / "emu.so"))
 
 
-@pytest.mark.parametrize("hadamard,mean,rounding,clamp", [
-    (128, "block", "sr", True), (128, "block", "rn", True), (128, "block", ("sr", "rn"), True),
-    (64, "block", "sr", True), (16, "block", "sr", True), (0, "none", "sr", True), (0, "none", ("sr", "rn"), True),
-    (0, "block", "sr", True), (128, "none", "sr", False)])
-def test_host_emulation_adamw(adamw_emu, tmp_path, hadamard, mean, rounding, clamp):
-    """Step 3 of a heavy-tailed run (with a NaN gradient), from the same state: the emulated kernel
-    math and the PyTorch twin agree on the parameter and every state byte."""
-    import subprocess
+@pytest.mark.parametrize("hadamard,mean,rounding,clamp", FUSED_CASES)
+def test_emulated_kernel_matches_reference(adamw_grid, monkeypatch, hadamard, mean, rounding, clamp):
+    """test_fused_kernel_matches_reference on the CPU: optim's fused path, launcher and all, runs
+    the host-built adamw_nvfp4 (EMU_GRID) instead of the GPU, against the twin bit for bit."""
+    emu = GridEmu(adamw_grid)
+    monkeypatch.setattr(kernels, "launch", emu.launch)
+    monkeypatch.setattr(kernels, "_ptr", emu.ptr)
+    monkeypatch.setattr(optim, "_kernel_device", lambda p: True)
+    fused_against_twin("cpu", hadamard, mean, rounding, clamp)
+    assert emu.launches == 2 * 3 * 4  # two passes, 3 tensors, 4 steps: the fused path ran
+
+
+def test_grid_emulation_rejects_bad_launches(adamw_grid, monkeypatch):
+    """The harness's own checks fire on optim's first launch with one argument spoiled: a type
+    against the kernel's signature, a buffer smaller than the kernel reads, two buffers that
+    overlap, a Python number where CuPy needs a numpy scalar. (Inside the launcher's call: its
+    amax and g_new tensors live only as long as it runs.)"""
     import numpy as np
-    shape = (40, 256)  # 40 x 256 / 32 = 320 threads: not a multiple of 4 host lanes for H 16
-    w = torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(2)))
-    grads = heavy_grads(shape, 3, seed=4)
-    grads[2, 5, 17] = float("nan")
-    opt = optim.AdamW([w], lr=1e-2, state="nvfp4", hadamard=hadamard, mean=mean, rounding=rounding,
-                      ratio_clamp=clamp, seed=9)
-    for g in grads[:2]:
-        w.grad = g.clone()
-        opt.step()
-    st = opt.state[w]
-    m, v = st["exp_avg"], st["exp_avg_sq"]
-    files = dict(p=w.detach(), g=grads[2], mc=m["codes"], ms=m["scales"], mg=m["tensor_scale"], vc=v["codes"],
-                 vs=v["scales"], vg=v["tensor_scale"])
-    if mean == "block":
-        files["vmean"] = v["mean"]
-    c = optim._nvfp4_scalars(opt.param_groups[0], 3)
-    files["scalars"] = torch.tensor([c[k] for k in ("b1", "omb1", "b2", "omb2", "clamp", "bc2_sqrt", "eps",
-                                                    "neg_step", "decay")] + [fp4._hadamard_scale(hadamard) if hadamard else 0.0])
-    seeds = optim._state_seeds(9, 3, 0)
-    files["seeds"] = torch.tensor([seeds[0], fp4.hash_key(seeds[0]), seeds[1], fp4.hash_key(seeds[1])],
-                                  dtype=torch.int64).to(torch.int32 if max(seeds) < 2**31 else torch.int64)
-    for name, t in files.items():
-        arr = t.detach().contiguous().numpy()
-        arr = arr.astype(np.uint32) if name == "seeds" else arr
-        arr.tofile(tmp_path / name)
-    rm, rv = (rounding, rounding) if isinstance(rounding, str) else rounding
-    res = subprocess.run([str(adamw_emu), str(hadamard), str(2 * (rm == "sr") + (rv == "sr")), str(int(clamp)),
-                          str(int(mean == "block")), str(w.numel()), str(shape[1]), str(tmp_path)],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
-    w.grad = grads[2].clone()
-    opt.step()  # the twin
-    st = opt.state[w]
-    got = lambda name, dtype: torch.from_numpy(np.fromfile(tmp_path / f"{name}.out", dtype=dtype))  # noqa: E731
-    assert_same(got("p", np.float32).view(shape), w.detach())
-    for key, short in (("exp_avg", "m"), ("exp_avg_sq", "v")):
-        s = st[key]
-        assert_same(got(short + "c", np.uint8).view(s["codes"].shape), s["codes"])
-        assert_same(got(short + "s", np.uint8).view(s["scales"].shape), s["scales"])
-    gnew = got("gnew", np.float32)
-    assert_same(gnew[0], st["exp_avg"]["tensor_scale"])
-    assert_same(gnew[1], st["exp_avg_sq"]["tensor_scale"])
-    if mean == "block":
-        assert_same(got("vmean", np.float32).view(st["exp_avg_sq"]["mean"].shape), st["exp_avg_sq"]["mean"])
+    emu, small, checked = GridEmu(adamw_grid), torch.zeros(16, dtype=torch.uint8), []
+
+    def spoiled_first(device, name, grid, block, args):
+        if not checked:
+            spoiled = {"argument types PPiu": (2, np.int32(args[2])), "argument 4 .* its tensor holds 16":
+                       (4, emu.ptr(small)), "argument 5 .* overlaps argument 4": (5, args[4])}
+            for message, (i, value) in spoiled.items():
+                with pytest.raises(AssertionError, match=message):
+                    emu.launch(device, name, grid, block, args[:i] + (value,) + args[i + 1:])
+            with pytest.raises(TypeError, match="argument 3: int"):
+                emu.launch(device, name, grid, block, args[:3] + (128,) + args[4:])
+            checked.append(name)
+        emu.launch(device, name, grid, block, args)
+
+    monkeypatch.setattr(kernels, "launch", spoiled_first)
+    monkeypatch.setattr(kernels, "_ptr", emu.ptr)
+    monkeypatch.setattr(optim, "_kernel_device", lambda p: True)
+    p = torch.nn.Parameter(torch.randn(33, 128))
+    p.grad = torch.randn(33, 128)
+    optim.AdamW([p], state="nvfp4", hadamard=128, mean="block", fused=True).step()
+    # 3 refused (the TypeError comes before the count), then the 2 passes
+    assert checked == ["adamw_nvfp4<128, 1, 0, true, true>"] and emu.launches == 3 + 2
 
 
 # ---------------------------------------------------------------------------------------------
