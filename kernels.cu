@@ -509,7 +509,17 @@ __device__ __forceinline__ void quant_group_nv(float (&x)[G], const QParams& p, 
       if (ab < 0x7F800000u) fm = max(fm, ab);
       if (p.tiles) atomicMax(p.tiles + (u64)(orow / 16) * (p.Kout / 16) + ocol / 16 + b, ab);
     }
+#ifdef FP4_HOST_EMU
     if (fm) atomicMax(p.amax, fm);
+#else
+    // one atomic a warp rather than a thread (every thread of a 64M-element tensor hit one
+    // address); a max is order-free, so the tensor scale's bits do not change. The lanes here
+    // are those __activemask sees (a grid loop's or the AdamW kernel's tail may have left).
+    const unsigned active = __activemask();
+    const u32 wm = __reduce_max_sync(active, fm);
+    const u32 lane = (threadIdx.x + threadIdx.y * blockDim.x) & 31u;
+    if (wm && lane == (u32)(__ffs(active) - 1)) atomicMax(p.amax, wm);
+#endif
     return;
   }
   const u32 key = RND == ROUND_SR ? sr_key(p.seed, p.key0, base) : 0u;
