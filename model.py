@@ -175,7 +175,7 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, cache=None):
         x = x + self.attn(self.ln_1(x), cos, sin, cache)
         if self.recompute_mlp and torch.is_grad_enabled():
-            # keep only x: the backward reruns ln_2 -> gate_up -> SwiGLU (README: recompute), so
+            # keep only x: the backward reruns ln_2 -> gate_up -> SwiGLU (README: recomputing the MLP):
             # gate_up's (B, T, 2 ffn_hidden) output and ln_2's and gate_up's saved tensors are
             # not held from the forward to the backward. Same numbers: the forward draws no
             # random numbers, and checkpoint restores the RNG state around the rerun anyway
