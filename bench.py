@@ -398,14 +398,14 @@ def _torchao_float8(model, recipe_name):
     return convert_to_float8_training(model, config=config, module_filter_fn=keep)
 
 
-def _step_model(args, variant, optimizer="adamw", loss_chunk=0):
-    """The ~1B Llama for one step variant, on the GPU, with its optimizer (as train.py makes it)."""
+def _step_net(args, variant, loss_chunk=0, recompute="none", device="cuda"):
+    """The ~1B Llama (args.model) for one step variant, on `device`, and its GPTConfig."""
     import model as llama
     torch.manual_seed(0)
     base, _, attn = variant.partition("+attn-")  # e.g. "quartet+attn-nvfp4": FP4 attention too
     cfg = llama.config_for(args.model, block_size=args.seq, attention=attn or "bf16",
-                             loss_chunk=loss_chunk)
-    net = llama.GPT(cfg).cuda()
+                             loss_chunk=loss_chunk, recompute=recompute)
+    net = llama.GPT(cfg).to(device)
     if base.startswith("float8-"):
         net = _torchao_float8(net, base.split("-", 1)[1])
     elif base == "fp8-rowwise":
@@ -413,17 +413,28 @@ def _step_model(args, variant, optimizer="adamw", loss_chunk=0):
     else:
         net = llama.apply_recipe(net, base)
         fp4.refit_lora(net)  # fullstack: fit L as train.py does at step 0 (no-op for the others)
+    return net, cfg
+
+
+def _step_model(args, variant, optimizer="adamw", loss_chunk=0, recompute="none"):
+    """The step variant's model on the GPU with its optimizer (as train.py makes it)."""
+    net, cfg = _step_net(args, variant, loss_chunk, recompute)
     import optim  # the optimizer as train.py builds it (optim.build)
     return net, optim.build(net, optimizer, lr=1e-4, weight_decay=0.1), cfg
 
 
-def _time_step(args, variant, compiled, optimizer="adamw", loss_chunk=0):
+def _step_batch(args, cfg, device="cuda"):
+    """Random token ids (B, T) and their next tokens: the step's speed does not depend on the text."""
+    idx = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=device)
+    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+
+def _time_step(args, variant, compiled, optimizer="adamw", loss_chunk=0, recompute="none"):
     """Median step time and peak memory of one variant: autocast BF16 forward with the loss inside
     the model, backward, fused AdamW, with the model torch.compile'd as train.py does."""
-    net, opt, cfg = _step_model(args, variant, optimizer, loss_chunk)
+    net, opt, cfg = _step_model(args, variant, optimizer, loss_chunk, recompute)
     fwd = torch.compile(net) if compiled else net
-    idx = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device="cuda")
-    x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+    x, y = _step_batch(args, cfg)
 
     def step():
         with torch.autocast("cuda", torch.bfloat16):
@@ -440,6 +451,12 @@ def _time_step(args, variant, compiled, optimizer="adamw", loss_chunk=0):
     ms = bench(step, warmup=1, reps=args.step_reps)
     peak = torch.cuda.max_memory_allocated() / 2**30
     parts = memory_parts(net, opt, step, 0 if loss_chunk else args.batch * args.seq * cfg.vocab_size)
+    try:
+        parts["saved_compiled_gib"] = round(compiled_saved_bytes(net, fwd, x, y) / 2**30, 2) if compiled else None
+        parts["saved_eager_gib"] = round(saved_by_kind(net, x, y)[-1]["bytes"] / 2**30, 2)
+    except Exception as e:  # the timing stands without the count; the row says why it is missing
+        traceback.print_exc()
+        parts["saved_error"] = f"{type(e).__name__}: {e}"[:300]
     del net, opt, fwd
     return ms, peak, warm_s, parts
 
@@ -461,32 +478,39 @@ def memory_parts(net, opt, step, logits_numel):
                 logits_gib=round(logits, 2), rest_gib=round(peak - 2 * weights - states - logits, 2))
 
 
-def step_combos(variants, optimizers, loss_chunks):
-    """(variant, optimizer, loss_chunk) rows: each plain variant with each optimizer and chunk, and a
-    variant written 'name:optimizer' or 'name:optimizer:chunk' as just that one row."""
+def step_combos(variants, optimizers, loss_chunks, recomputes="none"):
+    """(variant, optimizer, loss_chunk, recompute) rows: each plain variant with each optimizer,
+    chunk and recompute (GPTConfig.recompute), and a variant written 'name:optimizer',
+    'name:optimizer:chunk' or 'name:optimizer:chunk:recompute' with those fixed."""
+    import model as llama
     rows = []
     for item in variants.split(","):
         name, *fixed = item.split(":")
-        if len(fixed) > 2:
-            raise SystemExit(f"--step-variants item {item!r}: use name, name:optimizer or name:optimizer:loss_chunk")
+        if len(fixed) > 3:
+            raise SystemExit(f"--step-variants item {item!r}: use name, name:optimizer, name:optimizer:loss_chunk "
+                             "or name:optimizer:loss_chunk:recompute")
         opts = [fixed[0]] if fixed else optimizers.split(",")
-        chunks = [fixed[1]] if len(fixed) == 2 else loss_chunks.split(",")
-        rows += [(name, o, int(c)) for o in opts for c in chunks]
+        chunks = [fixed[1]] if len(fixed) >= 2 else loss_chunks.split(",")
+        recs = [fixed[2]] if len(fixed) == 3 else recomputes.split(",")
+        for r in recs:
+            if r not in llama.RECOMPUTES:
+                raise SystemExit(f"--step-variants item {item!r}: recompute {r!r} is not one of {', '.join(llama.RECOMPUTES)}")
+        rows += [(name, o, int(c), r) for o in opts for c in chunks for r in recs]
     return rows
 
 
 def section_step(args):
     """Tokens/s and peak memory per variant, compiled (the headline) and optionally eager, all
     against the BF16 row of the same mode in the same run."""
-    variants = step_combos(args.step_variants, args.step_optimizers, args.step_loss_chunk)
+    variants = step_combos(args.step_variants, args.step_optimizers, args.step_loss_chunk, args.step_recompute)
     rows = []
     for compiled in (True, False) if args.step_eager else (True,):
         base = None
-        for variant, optimizer, chunk in variants:
-            row = dict(model=args.model, variant=variant, optimizer=optimizer, loss_chunk=chunk,
+        for variant, optimizer, chunk, recompute in variants:
+            row = dict(model=args.model, variant=variant, optimizer=optimizer, loss_chunk=chunk, recompute=recompute,
                        mode="compiled" if compiled else "eager", tokens_per_step=args.batch * args.seq)
             try:
-                ms, peak, warm_s, parts = _time_step(args, variant, compiled, optimizer, chunk)
+                ms, peak, warm_s, parts = _time_step(args, variant, compiled, optimizer, chunk, recompute)
             except SkipVariant as why:
                 rows.append(dict(row, skipped=str(why)))
                 print(f"  {variant}: skipped: {why}")
@@ -506,14 +530,142 @@ def section_step(args):
                              first_step_s=round(warm_s, 1),
                              vs_bf16=round(tok_s / base[0], 3) if base else None,
                              mem_vs_bf16=round(peak / base[1], 3) if base else None))
-            print(f"  {variant} {optimizer} loss_chunk={chunk}: {ms:.1f} ms, {peak:.2f} GiB", flush=True)
+            print(f"  {variant} {optimizer} loss_chunk={chunk} recompute={recompute}: {ms:.1f} ms, {peak:.2f} GiB", flush=True)
             save_rows(args, "step", rows)  # a call stopped at its time limit keeps the rows done
         mode = "compiled" if compiled else "eager"
         print_table([r for r in rows if r["mode"] == mode and "ms" in r],
-                    ["model", "variant", "optimizer", "loss_chunk", "mode", "ms", "tokens_per_s", "vs_bf16", "peak_gib",
-                     "mem_vs_bf16", "first_step_s"])
+                    ["model", "variant", "optimizer", "loss_chunk", "recompute", "mode", "ms", "tokens_per_s", "vs_bf16",
+                     "peak_gib", "mem_vs_bf16", "first_step_s"])
         print_table([r for r in rows if r["mode"] == mode and "ms" in r],
-                    ["variant", "optimizer", "loss_chunk", "peak_gib", "weights_gib", "grads_gib", "optimizer_gib", "logits_gib", "rest_gib"])
+                    ["variant", "optimizer", "loss_chunk", "recompute", "peak_gib", "weights_gib", "grads_gib", "optimizer_gib",
+                     "logits_gib", "rest_gib", "saved_compiled_gib", "saved_eager_gib"])
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# saved: the bytes one forward saves for the backward, by the kind of layer that saves them
+
+def _storages(t):
+    """(key, bytes) of the storages behind a saved tensor; a tensor subclass (torchao's float8)
+    through its inner tensors. Two views of one storage have one key: counted once."""
+    if hasattr(t, "__tensor_flatten__"):
+        return [kb for name in t.__tensor_flatten__()[0] for kb in _storages(getattr(t, name))]
+    st = t.untyped_storage()
+    return [((t.device, st.data_ptr()), st.nbytes())]
+
+
+def count_saved(fn, model, attribute=True):
+    """Run fn() (a forward of `model`) under torch.autograd.graph.saved_tensors_hooks; return (its
+    output, {storage key: (module, tensor, bytes)}) for every distinct storage saved for the
+    backward, the module being the innermost of model's modules running when it was saved
+    (attribute=False: no module hooks, which a compiled model would recompile for; then all is
+    the model's). The storages of model's parameters and buffers are left out: weights, not
+    activations. Keep the output alive while the result is used: the graph it holds keeps the
+    storages (and so their keys) from being freed and reused."""
+    stack, found = [], {}
+    own = {k for t in list(model.parameters()) + list(model.buffers()) for k, _ in _storages(t)}
+
+    def pack(t):
+        for key, nbytes in _storages(t):
+            if key not in own and key not in found:
+                found[key] = (stack[-1] if stack else model, t, nbytes)
+        return t
+
+    def enter(m, args):
+        stack.append(m)
+
+    def leave(m, args, out):
+        stack.pop()  # returns None: the output stays as it is
+    mods = list(model.modules()) if attribute else []
+    hooks = [h for m in mods for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn()
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, found
+
+
+def saved_kind(name):
+    """A module's name -> the kind its saved tensors are listed under: 'transformer.h.3.mlp.gate_up'
+    -> 'mlp.gate_up'; a block's own ops (the residual adds; recompute's checkpoint keeps its input
+    there) -> 'block'; GPT.forward's own ops -> 'loss'."""
+    name = re.sub(r"^transformer\.", "", name)
+    if re.fullmatch(r"h\.\d+", name):
+        return "block"
+    return re.sub(r"^h\.\d+\.", "", name) or "loss"
+
+
+def _forward_loss(net, x, y):
+    with torch.autocast(x.device.type, torch.bfloat16):  # the step's autocast, on the CPU too
+        return net(x, y)[1]
+
+
+SAVED_DTYPES = {torch.uint8: "u8_bytes", torch.bfloat16: "bf16_bytes", torch.float32: "fp32_bytes"}
+SAVED_COUNTS = ("storages", "u8_bytes", "bf16_bytes", "fp32_bytes", "other_bytes")
+
+
+def saved_by_kind(net, x, y):
+    """Rows per (kind, module type): what one eager forward with its loss (BF16 autocast, as the
+    step) saves for the backward, in bytes by dtype (uint8: FP4 codes, scales and clip masks), and
+    a total row. Eager: a compiled graph chooses its own saved set (saved_totals)."""
+    loss, found = count_saved(lambda: _forward_loss(net, x, y), net)
+    names = {m: n for n, m in net.named_modules()}
+    rows = {}
+    for mod, t, nbytes in found.values():
+        what = type(mod).__name__ + (f" {mod.recipe}" if hasattr(mod, "recipe") else "")
+        row = rows.setdefault((saved_kind(names[mod]), what),
+                              dict(kind=saved_kind(names[mod]), module=what, **dict.fromkeys(SAVED_COUNTS, 0)))
+        row["storages"] += 1
+        row[SAVED_DTYPES.get(t.dtype, "other_bytes")] += nbytes
+    del loss
+    rows = list(rows.values())
+    total = dict(kind="total (eager)", module="", **{k: sum(r[k] for r in rows) for k in SAVED_COUNTS})
+    for r in rows + [total]:
+        r["bytes"] = sum(v for k, v in r.items() if k.endswith("_bytes"))
+        r["mib"] = round(r["bytes"] / 2**20, 2)
+        r["bytes_per_token"] = round(r["bytes"] / x.numel(), 1)
+    return rows + [total]
+
+
+def compiled_saved_bytes(net, compiled, x, y):
+    """Bytes one forward of `compiled` (torch.compile(net), already compiled) saves for the
+    backward: the graph's own choice, whole (no module attribution inside a compiled graph)."""
+    loss, found = count_saved(lambda: _forward_loss(compiled, x, y), net, attribute=False)
+    total = sum(nbytes for _, _, nbytes in found.values())
+    del loss, found
+    return total
+
+
+def section_saved(args):
+    """Per step row (--step-variants, --step-loss-chunk, --step-recompute; the optimizer does not
+    matter): the bytes one eager forward saves for the backward, by kind of layer, and with
+    --saved-compiled the compiled forward's total beside the eager one. On the CPU (e.g. --model
+    tiny --seq 64 --batch 2) or the GPU."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    combos = step_combos(args.step_variants, args.step_optimizers, args.step_loss_chunk, args.step_recompute)
+    rows = []
+    for variant, chunk, recompute in dict.fromkeys((v, c, r) for v, _, c, r in combos):
+        head = dict(model=args.model, variant=variant, loss_chunk=chunk, recompute=recompute, tokens=args.batch * args.seq)
+        try:
+            net, cfg = _step_net(args, variant, chunk, recompute, device)
+        except SkipVariant as why:
+            rows.append(dict(head, skipped=str(why)))
+            continue
+        x, y = _step_batch(args, cfg, device)
+        kinds = saved_by_kind(net, x, y)
+        if args.saved_compiled:
+            fwd = torch.compile(net)
+            _forward_loss(fwd, x, y).backward()  # compiles forward and backward
+            net.zero_grad(set_to_none=True)
+            kinds[-1]["compiled_bytes"] = compiled_saved_bytes(net, fwd, x, y)
+            torch._dynamo.reset()
+        rows += [dict(head, **r) for r in kinds]
+        del net
+    print_table([r for r in rows if "kind" in r], ["variant", "loss_chunk", "recompute", "kind", "module", "storages", "u8_bytes",
+                                                   "bf16_bytes", "fp32_bytes", "other_bytes", "bytes", "bytes_per_token",
+                                                   "compiled_bytes"])
     return rows
 
 
@@ -1055,8 +1207,8 @@ def llama_layers(size):
 
 SECTIONS = {"overhead": section_overhead, "profile": section_profile, "kernels": section_kernels, "accum": section_accum, "linear": section_linear, "step": section_step,
             "ns": section_ns, "ns_time": section_ns_time, "attention": section_attention,
-            "optim": section_optim, "states": section_states}
-CPU_SECTIONS = {"ns", "states"}  # sections that also run without a GPU (numerics only)
+            "optim": section_optim, "states": section_states, "saved": section_saved}
+CPU_SECTIONS = {"ns", "states", "saved"}  # sections that also run without a GPU (numerics only)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1148,7 +1300,7 @@ def main():
     ap.add_argument("--step-reps", type=int, default=4, help="step: timed steps")
     ap.add_argument("--step-variants", default=",".join(STEP_VARIANTS),
                     help="step: comma list (model.RECIPES names, fp8-rowwise, float8-tensorwise, float8-rowwise; '+attn-nvfp4' adds FP4 attention; "
-                         "'name:optimizer[:loss_chunk]' is that one row); bf16 first")
+                         "'name:optimizer[:loss_chunk[:recompute]]' is that one row); bf16 first")
     ap.add_argument("--step-eager", action="store_true", help="step: also time every variant eager (second table)")
     ap.add_argument("--gpus", default="2", help="fsdp: comma list of GPU counts (torchrun --nproc_per_node)")
     ap.add_argument("--fsdp-iters", type=int, default=20, help="fsdp: train.py --max_iters")
@@ -1159,6 +1311,8 @@ def main():
                     help="ns: train.py checkpoints of Muon/ROOT runs whose momentum matrices to test")
     ap.add_argument("--step-optimizers", default="adamw", help="step: comma list of optim.OPTIMIZERS (each variant with each)")
     ap.add_argument("--step-loss-chunk", default="0", help="step: comma list of GPTConfig.loss_chunk values (0: whole logits)")
+    ap.add_argument("--step-recompute", default="none", help="step, saved: comma list of GPTConfig.recompute values (none, mlp)")
+    ap.add_argument("--saved-compiled", action="store_true", help="saved: also the compiled forward's total (compiles each row)")
     ap.add_argument("--optim-reps", type=int, default=5, help="optim: timed optimizer steps")
     ap.add_argument("--states-lm", type=int, default=0, help="states: also train the tiny LM this many steps per format and seed (CPU: ~2 min a run)")
     ap.add_argument("--compare", nargs="+", default=None, metavar="SUMMARY_JSON",

@@ -17,11 +17,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from attention import attention
 
 RECIPES = ('bf16', 'quartet', 'nvfp4', 'quartet2', 'fullstack')
 ATTENTIONS = ('bf16', 'nvfp4')  # attention.py's fmt None / 'nvfp4'; combines with any recipe
+RECOMPUTES = ('none', 'mlp')    # what the backward recomputes instead of keeping (Block.forward)
 
 # -----------------------------------------------------------------------------
 # config and named sizes
@@ -41,6 +43,7 @@ class GPTConfig:
                               # 0: fp4.lora_rank_for's rule (n_embd / 16), -1: none (ablation)
     attention: str = 'bf16'   # one of ATTENTIONS
     loss_chunk: int = 0       # > 0: cross-entropy over the lm_head this many tokens at a time
+    recompute: str = 'none'   # one of RECOMPUTES: 'mlp' reruns ln_2 -> gate_up -> SwiGLU in the backward
 
     def __post_init__(self):
         if self.n_kv_head == 0:
@@ -54,6 +57,8 @@ class GPTConfig:
             raise ValueError(f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTIONS)}")
         if self.attention == 'nvfp4' and (self.n_embd // self.n_head) % 16:
             raise ValueError(f"attention='nvfp4' needs a head size divisible by 16, got {self.n_embd // self.n_head}")
+        if self.recompute not in RECOMPUTES:
+            raise ValueError(f"unknown recompute {self.recompute!r}; choose one of {', '.join(RECOMPUTES)}")
 
 # Quartet's shapes (SPEC.md 6): the name is the non-embedding parameter count.
 # All have head size 128, so every block linear is a multiple of 128 wide, which the
@@ -134,17 +139,28 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.o(y)
 
+class SwiGLU(nn.Module):
+    """silu(gate) * up of the fused gate_up output; a module (like nanoGPT's nn.GELU) so that
+    module hooks see it (bench.py counts what each kind of layer saves for the backward)."""
+
+    def forward(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)  # (B, T, ffn_hidden) each
+        return F.silu(gate) * up
+
 class MLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
         # gate and up projections fused into one linear (one GEMM), split after
         self.gate_up = nn.Linear(config.n_embd, 2 * config.ffn_hidden, bias=False)
+        self.swiglu = SwiGLU()
         self.down = nn.Linear(config.ffn_hidden, config.n_embd, bias=False)
 
+    def hidden(self, x):
+        return self.swiglu(self.gate_up(x))  # (B, T, ffn_hidden)
+
     def forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, dim=-1)  # (B, T, ffn_hidden) each
-        return self.down(F.silu(gate) * up)          # SwiGLU
+        return self.down(self.hidden(x))
 
 class Block(nn.Module):
 
@@ -154,9 +170,17 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = RMSNorm(config.n_embd, config.norm_eps)
         self.mlp = MLP(config)
+        self.recompute_mlp = config.recompute == 'mlp'
 
     def forward(self, x, cos, sin, cache=None):
         x = x + self.attn(self.ln_1(x), cos, sin, cache)
+        if self.recompute_mlp and torch.is_grad_enabled():
+            # keep only x: the backward reruns ln_2 -> gate_up -> SwiGLU (README: recomputing the MLP):
+            # gate_up's (B, T, 2 ffn_hidden) output and ln_2's and gate_up's saved tensors are
+            # not held from the forward to the backward. Same numbers: the forward draws no
+            # random numbers, and checkpoint restores the RNG state around the rerun anyway
+            h = checkpoint(lambda x: self.mlp.hidden(self.ln_2(x)), x, use_reentrant=False)
+            return x + self.mlp.down(h)
         x = x + self.mlp(self.ln_2(x))
         return x
 

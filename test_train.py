@@ -124,6 +124,38 @@ def test_chunked_cross_entropy_equals_plain(chunk):
         for (name, a), b in zip(plain.named_parameters(), chunked.parameters()):
             torch.testing.assert_close(b.grad, a.grad, **tol, msg=lambda m: f'{name}: {m}')
 
+@pytest.mark.parametrize('recipe', ['bf16'] + [pytest.param(r, marks=needs_fp4) for r in ('quartet', 'nvfp4', 'fullstack')])
+def test_recompute_mlp_same_loss_and_grads(recipe):
+    """recompute='mlp' reruns ln_2 -> gate_up -> SwiGLU in the backward: the loss and every
+    gradient bit for bit as without, in FP32 and under BF16 autocast. The FP4 backward draws its
+    SR seeds and Hadamard signs from torch's generator; the forward draws none, and checkpoint
+    restores the generator around the rerun, so the backward draws what it would have drawn. The
+    comparison would see a shifted stream: another seed moves the FP4 gradients."""
+    torch.manual_seed(0)
+    plain = apply_recipe(GPT(config_for('tiny', vocab_size=256, block_size=32)), recipe)
+    again = apply_recipe(GPT(config_for('tiny', vocab_size=256, block_size=32, recompute='mlp')), recipe)
+    if recipe == 'fullstack':
+        fp4.refit_lora(plain)  # L != 0: its BF16 part runs in the rerun too
+    again.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 256, (4, 33))  # 128 tokens: every recipe's multiple
+
+    def grads(m, autocast, seed=1):
+        m.zero_grad()
+        torch.manual_seed(seed)
+        with torch.autocast('cpu', torch.bfloat16, enabled=autocast):
+            _, loss = m(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        return {'loss': loss.detach(), **{n: p.grad for n, p in m.named_parameters()}}
+    for autocast in (False, True):
+        a, b = grads(plain, autocast), grads(again, autocast)
+        differ = [n for n in a if not torch.equal(a[n], b[n])]
+        assert not differ, f'recompute changed (autocast={autocast}): {differ[:5]}'
+    if recipe != 'bf16':
+        a, c = grads(again, False), grads(again, False, seed=2)
+        assert not torch.equal(a['transformer.h.1.mlp.gate_up.weight'], c['transformer.h.1.mlp.gate_up.weight'])
+    with pytest.raises(ValueError, match="unknown recompute 'attn'; choose one of none, mlp"):
+        config_for('tiny', recompute='attn')
+
 @pytest.mark.parametrize('recipe', ['bf16', 'quartet', 'nvfp4', 'quartet2'])
 def test_apply_recipe_placement(recipe, monkeypatch):
     """Which modules reach fp4.to_fp4: the blocks only; nvfp4 spares the first and last."""
@@ -273,6 +305,16 @@ def file_hash(path):
     with open(path, 'rb') as f:
         return hashlib.sha256(f.read()).hexdigest()
 
+@needs_fp4
+def test_recompute_run_is_the_same_run(corpus, tmp_path):
+    """train.py --recompute=mlp: the same losses as without (quartet, FP32), and the checkpoint's
+    model_args keep the setting."""
+    runs = {r: run(corpus, tmp_path / r, '--recipe=quartet', f'--recompute={r}', '--max_iters=3',
+                   '--eval_interval=3', '--sample_tokens=0') for r in ('none', 'mlp')}
+    assert runs['mlp']['loss_curve'] == runs['none']['loss_curve']
+    ckpt = torch.load(tmp_path / 'mlp' / 'ckpt.pt', map_location='cpu', weights_only=False)
+    assert ckpt['model_args']['recompute'] == 'mlp'
+
 def test_nan_stops_cleanly(corpus, tmp_path):
     run(corpus, tmp_path, '--recipe=bf16', '--max_iters=2', '--eval_interval=2')
     ckpt_path = tmp_path / 'ckpt.pt'
@@ -323,6 +365,8 @@ def test_config_errors(tmp_path):
         train.main(['--recipe=fp3', f'--out_dir={tmp_path}'])
     with pytest.raises(configurator.ConfigError, match="unknown model_size"):
         train.main(['--model_size=7b', f'--out_dir={tmp_path}'])
+    with pytest.raises(configurator.ConfigError, match="unknown recompute 'qkv'; choose one of none, mlp"):
+        train.main(['--recompute=qkv', f'--out_dir={tmp_path}'])
 
 def test_config_files_parse():
     for fn in sorted(os.listdir(os.path.join(HERE, 'config'))):

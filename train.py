@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
 import optim
-from model import ATTENTIONS, GPT, GPTConfig, RECIPES, SIZES, apply_recipe, config_for
+from model import ATTENTIONS, GPT, GPTConfig, RECIPES, RECOMPUTES, SIZES, apply_recipe, config_for
 
 # -----------------------------------------------------------------------------
 # config: every global here can be overridden by config/*.py and --key=value
@@ -58,6 +58,7 @@ lora_rank = 0             # fullstack: rank of the BF16 part; 0: the default rul
 lora_refit_interval = 4000  # fullstack: refit L by randomized SVD every this many steps (and at 0)
 attention = 'bf16'        # one of model.ATTENTIONS: 'nvfp4' is FP4 attention (attention.py), any recipe
 loss_chunk = 0            # > 0: cross-entropy over the lm_head this many tokens at a time (the logits never whole)
+recompute = 'none'        # one of model.RECOMPUTES: 'mlp' reruns ln_2 -> gate_up -> SwiGLU in the backward (less memory)
 # AdamW and the lr schedule (Quartet's: betas (0.9, 0.95), wd 0.1, clip 1, cosine, 10% warmup)
 optimizer = 'adamw'  # adamw | adamw_fp4 | muon | root | root_fp4 (optim.build)
 weight_decay = 0.1
@@ -123,6 +124,8 @@ def check_config():
         raise configurator.ConfigError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     if loss_chunk < 0:
         raise configurator.ConfigError(f'loss_chunk must be 0 (whole logits) or a token count > 0, got {loss_chunk}')
+    if recompute not in RECOMPUTES:
+        raise configurator.ConfigError(f"unknown recompute {recompute!r}; choose one of {', '.join(RECOMPUTES)}")
     if keep_checkpoints < 1:
         raise configurator.ConfigError(f'keep_checkpoints must be at least 1, got {keep_checkpoints}')
     check_shapes()
@@ -705,7 +708,7 @@ def init_run(rank, data_meta):
         vocab = 128 * math.ceil(data_meta['vocab_size'] / 128)  # pad: GEMM-friendly
         model_args = asdict(config_for(model_size, vocab_size=vocab, block_size=block_size,
                                        n_kv_head=n_kv_head, lora_rank=lora_rank,
-                                       attention=attention, loss_chunk=loss_chunk))
+                                       attention=attention, loss_chunk=loss_chunk, recompute=recompute))
     model = build_model(model_args)
     if ckpt:
         check_resume_fsdp(ckpt)

@@ -1,0 +1,119 @@
+"""
+Tests for bench.py's parts that run on a CPU: the count of what a forward saves for the backward,
+by kind of layer (section 'saved'), and the step rows' syntax. Tiny models, seconds.
+
+$ python -m pytest test_bench.py -q
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import bench
+import fp4
+
+ARGS = dict(model='tiny', seq=64, batch=2, step_optimizers='adamw', step_loss_chunk='0', saved_compiled=False)
+M, C, H, LAYERS = 2 * 64, 128, 512, 3  # tokens, n_embd, ffn_hidden, n_layer of 'tiny'
+
+
+def saved(variant, recompute='none'):
+    """bench.section_saved's rows for one variant, {kind: row} (module types merged: all FP4 here)."""
+    rows = bench.section_saved(SimpleNamespace(**ARGS, step_variants=variant, step_recompute=recompute))
+    return {r['kind']: r for r in rows}
+
+
+def graph_saved(loss, model):
+    """Bytes of the distinct storages the autograd graph behind loss holds, found by walking its
+    nodes (C++ nodes' _saved_* attributes, custom Functions' saved_tensors): a count that does
+    not use saved_tensors_hooks. Parameters and buffers left out, as bench.count_saved does."""
+    own = {k for t in list(model.parameters()) + list(model.buffers()) for k, _ in bench._storages(t)}
+    found, todo, seen = {}, [loss.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        vals = list(node.saved_tensors) if hasattr(node, 'saved_tensors') else []
+        for name in dir(node):
+            if name.startswith('_saved_'):
+                v = getattr(node, name)
+                vals += list(v) if isinstance(v, (tuple, list)) else [v]
+        for t in vals:
+            if isinstance(t, torch.Tensor):
+                found.update((k, b) for k, b in bench._storages(t) if k not in own)
+        todo += [f for f, _ in node.next_functions]
+    return sum(found.values())
+
+
+@pytest.mark.parametrize('variant', ['bf16', 'quartet'])
+def test_saved_by_kind_adds_up_to_the_graphs_saved_set(variant):
+    """The kinds sum to the total row, column by column, and the total is what the graph holds."""
+    net, cfg = bench._step_net(SimpleNamespace(**ARGS), variant, device='cpu')
+    x, y = bench._step_batch(SimpleNamespace(**ARGS), cfg, 'cpu')
+    rows = bench.saved_by_kind(net, x, y)
+    kinds, total = rows[:-1], rows[-1]
+    for col in bench.SAVED_COUNTS + ('bytes',):
+        assert sum(r[col] for r in kinds) == total[col], col
+    torch.manual_seed(0)
+    loss = bench._forward_loss(net, x, y)
+    assert graph_saved(loss, net) == total['bytes']
+    assert {'wte', 'ln_1', 'attn.qkv', 'attn', 'attn.o', 'ln_2', 'mlp.gate_up', 'mlp.swiglu', 'mlp.down', 'ln_f',
+            'lm_head', 'loss'} <= {r['kind'] for r in kinds}
+
+
+def fp4_saved(rows, k, recipe):
+    """What FP4Linear saves for the backward of a (rows, k) operand, by fp4's layout: codes (two a
+    byte), one scale byte a block, the QuEST clip mask (8 a byte) for quest's operands; the FP32
+    tensor scale of NVFP4 (4 bytes)."""
+    r = fp4.RECIPES[recipe]
+    mask = rows * k // 8 if r['x'].get('scale_rule') == 'quest' else 0
+    return rows * k // 2 + rows * k // fp4.FORMATS[r['fmt']] + mask, 4 if r['fmt'] == 'nvfp4' else 0
+
+
+def test_saved_hand_counts():
+    """Kinds whose bytes follow from the shapes: nn.Linear under BF16 autocast saves its BF16 input
+    and its BF16 weight copy; FP4Linear the FP4 codes, scales (and masks) of X and W; SwiGLU
+    gate_up's (M, 2H) BF16 output (gate and up are views of it) and silu(gate) (M, H)."""
+    bf16 = saved('bf16')
+    assert bf16['mlp.down']['bf16_bytes'] == bf16['mlp.down']['bytes'] == LAYERS * (M * H * 2 + C * H * 2)
+    assert bf16['attn.o']['bytes'] == LAYERS * (M * C * 2 + C * C * 2)
+    for recipe in ('quartet', 'fullstack'):
+        got = saved(recipe)
+        for kind, (n, k) in {'mlp.gate_up': (2 * H, C), 'mlp.down': (C, H), 'attn.o': (C, C)}.items():
+            (xu8, xf32), (wu8, wf32) = fp4_saved(M, k, recipe), fp4_saved(n, k, recipe)
+            assert got[kind]['u8_bytes'] == LAYERS * (xu8 + wu8), (recipe, kind)
+            assert got[kind]['fp32_bytes'] == LAYERS * (xf32 + wf32) and got[kind]['bf16_bytes'] == 0, (recipe, kind)
+        assert got['mlp.swiglu']['bytes'] == got['mlp.swiglu']['bf16_bytes'] == LAYERS * (M * 2 * H * 2 + M * H * 2)
+
+
+@pytest.mark.parametrize('variant', ['bf16', 'quartet'])
+def test_recompute_mlp_cuts_what_the_mlp_saves(variant):
+    """recompute='mlp': ln_2, gate_up and SwiGLU save nothing; the block keeps its input x, the
+    (B, T, C) FP32 residual stream, which ln_2 saved anyway (so it moves, not grows); the
+    rest is unchanged. The drop, by hand: SwiGLU's M x 3H x 2 bytes, gate_up's saved inputs, ln_2's
+    normalized x (M x C x 4) and 1/rms (M x 4), a layer."""
+    plain, cut = saved(variant), saved(variant, 'mlp')
+    assert {'ln_2', 'mlp.gate_up', 'mlp.swiglu'} & set(cut) == set()
+    assert cut['block']['bytes'] == cut['block']['fp32_bytes'] == LAYERS * M * C * 4
+    for kind in set(plain) - {'ln_2', 'mlp.gate_up', 'mlp.swiglu', 'total (eager)'}:
+        assert cut[kind]['bytes'] == plain[kind]['bytes'], kind
+    if variant == 'bf16':  # nn.Linear: its BF16 input (M, C) and weight copy (2H, C)
+        gate_up = M * C * 2 + 2 * H * C * 2
+    else:
+        gate_up = sum(fp4_saved(M, C, variant)) + sum(fp4_saved(2 * H, C, variant))
+    ln_2 = M * C * 4 + M * 4
+    drop = plain['total (eager)']['bytes'] - cut['total (eager)']['bytes']
+    assert drop == LAYERS * (M * 3 * H * 2 + gate_up + ln_2)
+
+
+def test_step_combos():
+    """'name:optimizer:loss_chunk:recompute' is one row; plain names take every list's values."""
+    assert bench.step_combos('bf16,quartet:adamw_fp4:4096:mlp', 'adamw', '0,4096', 'none,mlp') == [
+        ('bf16', 'adamw', 0, 'none'), ('bf16', 'adamw', 0, 'mlp'), ('bf16', 'adamw', 4096, 'none'),
+        ('bf16', 'adamw', 4096, 'mlp'), ('quartet', 'adamw_fp4', 4096, 'mlp')]
+    assert bench.step_combos('quartet:root', 'adamw', '0', 'mlp') == [('quartet', 'root', 0, 'mlp')]
+    with pytest.raises(SystemExit, match="recompute 'qkv' is not one of none, mlp"):
+        bench.step_combos('quartet:adamw:0:qkv', 'adamw', '0')
+    with pytest.raises(SystemExit, match='name:optimizer:loss_chunk:recompute'):
+        bench.step_combos('quartet:adamw:0:mlp:x', 'adamw', '0')
