@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -314,6 +315,14 @@ def test_recompute_run_is_the_same_run(corpus, tmp_path):
     assert runs['mlp']['loss_curve'] == runs['none']['loss_curve']
     ckpt = torch.load(tmp_path / 'mlp' / 'ckpt.pt', map_location='cpu', weights_only=False)
     assert ckpt['model_args']['recompute'] == 'mlp'
+    # a resumed run may turn it on (train.MEMORY_KEYS): the same losses as resuming without it
+    shutil.copytree(tmp_path / 'none', tmp_path / 'none2')
+    more = ('--max_iters=5', '--eval_interval=5', '--sample_tokens=0', '--resume=True')
+    plain = run(corpus, tmp_path / 'none', *more)
+    turned_on = run(corpus, tmp_path / 'none2', '--recompute=mlp', '--loss_chunk=64', *more)
+    assert turned_on['loss_curve']['train_loss'] == pytest.approx(plain['loss_curve']['train_loss'], rel=1e-6)
+    ckpt = torch.load(tmp_path / 'none2' / 'ckpt.pt', map_location='cpu', weights_only=False)
+    assert (ckpt['model_args']['recompute'], ckpt['model_args']['loss_chunk']) == ('mlp', 64)
 
 def test_nan_stops_cleanly(corpus, tmp_path):
     run(corpus, tmp_path, '--recipe=bf16', '--max_iters=2', '--eval_interval=2')

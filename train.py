@@ -409,6 +409,7 @@ class CheckpointError(ValueError):
 
 RESUME_KEYS = ('optimizer', 'iter_num', 'rng', 'history')
 # what a resumed run keeps from its checkpoint: the recipe, the model's shape, the optimizer
+MEMORY_KEYS = ('loss_chunk', 'recompute')  # model_args a resumed run may change (same loss, less memory)
 IDENTITY_KEYS = ('recipe', 'model_size', 'block_size', 'n_kv_head', 'optimizer', 'attention', 'lora_rank')
 
 def read_checkpoint(path):
@@ -699,6 +700,8 @@ def init_run(rank, data_meta):
         ckpt, path = resume_checkpoint()
         adopt_checkpoint_config(ckpt, path)
         model_args = ckpt['model_args']  # the checkpoint's shape wins over the config's
+        # how the loss and the backward are computed, not what is trained: a flag may change them
+        model_args.update({k: globals()[k] for k in MEMORY_KEYS if k in _overrides})
         if data_meta['vocab_size'] > model_args['vocab_size']:
             raise SystemExit(f"the data's vocabulary ({data_meta['vocab_size']} tokens, meta.json "
                              f"of {data_dir or dataset}) is larger than the model's "
