@@ -128,7 +128,9 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split([nh * hs, nkv * hs, nkv * hs], dim=-1)
         q = q.view(B, T, nh, hs).transpose(1, 2)   # (B, nh, T, hs)
         k = k.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
-        v = v.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        # v copied out of qkv's output: attention saves v for its backward, and a view would keep
+        # the whole (B, T, qkv_out) output alive with it (q and k are new tensors after RoPE)
+        v = v.contiguous().view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # generating: attend to the cached positions too. SDPA in BF16:
             k, v = cache.update(self, k, v)  # (B, nkv, S, hs), S = cached + T; FP4 attention

@@ -117,3 +117,19 @@ def test_step_combos():
         bench.step_combos('quartet:adamw:0:qkv', 'adamw', '0')
     with pytest.raises(SystemExit, match='name:optimizer:loss_chunk:recompute'):
         bench.step_combos('quartet:adamw:0:mlp:x', 'adamw', '0')
+
+
+@pytest.mark.parametrize('variant', ['bf16', 'quartet'])
+def test_attention_does_not_keep_qkvs_output(variant):
+    """Attention saves q and k (new tensors after RoPE), a copy of v, its output and lse: never
+    the fused qkv linear's (M, 3C) output, which a v that stayed a view of it would keep alive
+    (2C BF16 values a token a layer more: 2 GiB at 1B)."""
+    net, cfg = bench._step_net(SimpleNamespace(**ARGS), variant, device='cpu')
+    x, y = bench._step_batch(SimpleNamespace(**ARGS), cfg, 'cpu')
+    loss, found = bench.count_saved(lambda: bench._forward_loss(net, x, y), net)
+    names = {m: n for n, m in net.named_modules()}
+    attn = [(t.shape, nbytes) for mod, t, nbytes in found.values() if bench.saved_kind(names[mod]) == 'attn']
+    assert attn and all(nbytes < M * 3 * C * 2 for _, nbytes in attn), attn
+    # q, k, v, out (M, C) each, and apply_rope's BF16 cos and sin (T, hs / 2), cast for q and for k
+    t, hs = ARGS['seq'], C // cfg.n_head
+    assert saved(variant)['attn']['bf16_bytes'] == LAYERS * (4 * M * C * 2 + 4 * t * hs // 2 * 2)
