@@ -935,6 +935,32 @@ def test_ns_coefficient_table():
         optim.ns_coefficients((4, 4), "polar")
 
 
+@pytest.mark.parametrize("kind", ["gauss", "ties", "zeros", "inf_nan", "wide"])
+def test_kth_smallest_is_kthvalue(kind):
+    """optim.kth_smallest (two bit-pattern histograms) gives torch.kthvalue's value exactly: ties,
+    zeros, Inf and NaN (ordered last, as kthvalue orders them), subnormal to huge magnitudes; k at
+    both ends, at ROOT's 0.9 and at random."""
+    g = torch.Generator().manual_seed(["gauss", "ties", "zeros", "inf_nan", "wide"].index(kind))
+    for n in (1, 2, 17, 1000, 4099):
+        x = torch.randn(n, generator=g).abs()
+        if kind == "ties":
+            x = (x * 4).round() / 4
+        elif kind == "zeros":
+            x[torch.rand(n, generator=g) < 0.3] = 0.0
+        elif kind == "inf_nan":
+            x[torch.rand(n, generator=g) < 0.05] = float("inf")
+            x[torch.rand(n, generator=g) < 0.05] = float("nan")
+        elif kind == "wide":
+            x = x * torch.exp2(torch.randint(-140, 120, (n,), generator=g).float())
+        for k in {1, n, max(1, math.ceil(0.9 * n)), int(torch.randint(1, n + 1, (1,), generator=g))}:
+            want, got = x.kthvalue(k).values, optim.kth_smallest(x, k)
+            assert torch.equal(got, want) or (got.isnan() and want.isnan()), (n, k, got, want)
+    with pytest.raises(ValueError, match="1 <= k <= numel"):
+        optim.kth_smallest(torch.ones(4), 5)
+    with pytest.raises(ValueError, match="1-D float32"):
+        optim.kth_smallest(torch.ones(4, dtype=torch.float64), 1)
+
+
 def test_soft_threshold():
     M = torch.randn(40, 50, generator=torch.Generator().manual_seed(5))
     M[3, 7] = 100.0  # an outlier
