@@ -1325,11 +1325,19 @@ def main():
     out = args.out or os.path.join("results", gpu_slug())
     os.makedirs(out, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__, backends=fp4.backends(),
+                code=code_version(),
                 time=time.strftime("%Y-%m-%d %H:%M:%S"))
     args.out_dir, args.meta = out, meta
     for name in args.sections.split(","):
         print(f"\n== {name} ==")
         save_rows(args, name, {**SECTIONS, **SECTIONS_MULTI_GPU}[name](args))
+
+
+def code_version():
+    """The commit measured (study.git_state: FP4_GIT_COMMIT where the tree's .git is not its own)."""
+    import study
+    commit, dirty = study.git_state()
+    return dict(commit=commit, dirty=dirty)
 
 
 def save_rows(args, name, rows):
