@@ -811,25 +811,34 @@ def _check_root_param(p, ns):
 OPTIMIZERS = ("adamw", "adamw_fp4", "muon", "root", "root_fp4", "torch_muon")
 
 
-def build(model, name, lr=1.5e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, **root_hyper):
+def build(model, name, lr=1.5e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, ns=None, states=None,
+          **root_hyper):
     """The optimizer `name` (OPTIMIZERS) for a model, one object with torch's interface.
     'adamw': AdamW on everything (matrices decayed, 1-D parameters not), as model.configure_optimizers.
     'muon' / 'root' / 'root_fp4' / 'torch_muon': 2-D hidden weights on Muon / ROOT / ROOT with
     NVFP4 Newton-Schulz and NVFP4 momentum / torch.optim.Muon; embeddings, lm_head and 1-D
     parameters on AdamW. Both parts share lr and weight_decay: the Muon family's update is scaled
-    to AdamW's RMS (update_scale 'rms'). root_hyper goes to ROOT (momentum, ns_steps, ...)."""
+    to AdamW's RMS (update_scale 'rms'). For ablations, ns (NS_PRECISIONS) replaces the Muon
+    family's Newton-Schulz precision and states ('fp32' or 'nvfp4') every state's format, the
+    AdamW part's too. root_hyper goes to ROOT (momentum, ns_steps, ...)."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    if ns is not None and (name not in ("muon", "root", "root_fp4") or ns not in NS_PRECISIONS):
+        raise ValueError(f"ns={ns!r}: one of {NS_PRECISIONS}, for muon, root or root_fp4 (not {name!r})")
+    if states is not None and (name == "torch_muon" or states not in ROOT_STATES):
+        raise ValueError(f"states={states!r}: one of {ROOT_STATES}, for any optimizer but torch_muon")
+    fp4_states = states == "nvfp4" if states else name in ("adamw_fp4", "root_fp4")
     hidden, rest = _split_params(model)
     if name in ("adamw", "adamw_fp4"):
-        return _adamw(_decay_groups(hidden + rest, weight_decay), lr, betas, eps, fp4_state=name == "adamw_fp4")
-    adamw = _adamw(_decay_groups(rest, weight_decay), lr, betas, eps, fp4_state=name == "root_fp4")
+        return _adamw(_decay_groups(hidden + rest, weight_decay), lr, betas, eps, fp4_state=fp4_states)
+    adamw = _adamw(_decay_groups(rest, weight_decay), lr, betas, eps, fp4_state=fp4_states)
     if name == "torch_muon":
         muon = torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
     else:
         preset = dict(muon=dict(coefficients="muon", soft_threshold=None),
                       root=dict(coefficients="root", soft_threshold=0.9),
                       root_fp4=dict(coefficients="root", soft_threshold=0.9, ns="nvfp4", state="nvfp4"))[name]
+        preset = {**preset, **({"ns": ns} if ns else {}), **({"state": states} if states else {})}
         muon = ROOT(hidden, lr=lr, weight_decay=weight_decay, **{**preset, **root_hyper})
     return Optimizers(muon, adamw)
 

@@ -229,13 +229,15 @@ def corpus(cfg):
 
 def estimate_s(run, cfg, records, directory, jobs=1):
     """Projected wall seconds of a run, for the budget: the median tokens/s and fixed cost
-    (compile, evals) of finished runs of the same size and recipe run `jobs` at a time; else
+    (compile, evals) of finished runs of the same size and recipe (and variant, where there are
+    such runs: a variant can train at another speed) run `jobs` at a time; else
     of any such runs, or of the 30M train.py runs beside the study (results/<gpu>/
     train_30m_<recipe>.json, eager, 16K-token steps; the slowest of them for a recipe without
     one) scaled by FLOPs a token, plus 120 s, times jobs (sharing the GPU assumed to gain nothing)."""
     tokens = cfg['max_iters'] * step_tokens(cfg)
     same = [r for r in records.values() if r['status'] == 'ok' and r['model_size'] == run.size
             and r['recipe'] == run.recipe and r['tokens_per_s']]
+    same = [r for r in same if r.get('group') == run.group] or same  # a variant's own runs first
     same_jobs = [r for r in same if r.get('jobs', 1) == jobs]
     if same_jobs or same:
         rs = same_jobs or same

@@ -1100,3 +1100,22 @@ def test_train_py_optimizer(tmp_path):
     assert "optimizer root" in (tmp_path / "out" / "train.log").read_text()
     with pytest.raises(Exception, match="unknown optimizer 'sgd'; choose one of adamw"):
         test_train.run(str(tmp_path), tmp_path / "bad", "--optimizer=sgd", "--max_iters=1")
+
+
+def test_build_ablation_overrides():
+    """optim.build's ns and states replace one part of a preset (train.py --ns_precision,
+    --optimizer_states: the fullstack ablation); a combination that cannot apply is refused."""
+    net = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))  # 2-D weights + biases
+    def parts(opt):
+        root = [g for g in opt.param_groups if "ns" in g]
+        adam = [o for o in opt.parts if not isinstance(o, optim.ROOT)][0]
+        return {(g["ns"], g["state"]) for g in root}, (type(adam).__name__, adam.param_groups[0].get("state"))
+    assert parts(optim.build(net, "root_fp4")) == ({("nvfp4", "nvfp4")}, ("AdamW", "nvfp4"))
+    assert parts(optim.build(net, "root_fp4", ns="bf16")) == ({("bf16", "nvfp4")}, ("AdamW", "nvfp4"))
+    got = parts(optim.build(net, "root_fp4", states="fp32"))
+    assert got[0] == {("nvfp4", "fp32")} and got[1][1] is None  # torch's AdamW: no 'state' key
+    assert isinstance(optim.build(net, "adamw", states="nvfp4"), optim.AdamW)
+    for name, kw in [("adamw", dict(ns="bf16")), ("torch_muon", dict(states="fp32")), ("root", dict(ns="fp8")),
+                     ("root", dict(states="int8"))]:
+        with pytest.raises(ValueError, match="ns=|states="):
+            optim.build(net, name, **kw)

@@ -284,6 +284,12 @@ def test_estimate_from_finished_runs(tmp_path):
                       tokens=5e7, wall_s=600.0, jobs=1)}  # 500 s training + 100 s fixed
     assert study.estimate_s(run, cfg, done, str(tmp_path)) == pytest.approx(100 + tokens / 1e5)
     assert study.estimate_s(run, cfg, done, str(tmp_path), jobs=2) == pytest.approx(2 * (100 + tokens / 1e5))
+    # a variant's own runs before the plain recipe's (a slower optimizer, say)
+    slow = study.grid(['quartet'], [0], ['30m'], [25e6], variant='root_fp4', flags=('--optimizer=root_fp4',))[0]
+    done['b'] = dict(status='ok', model_size='30m', recipe='quartet', group='quartet+root_fp4', tokens_per_s=2.5e4,
+                     tokens=5e7, wall_s=2100.0, jobs=1)  # 2000 s training + 100 s fixed
+    assert study.estimate_s(slow, study.train_config(slow), done, str(tmp_path)) == pytest.approx(100 + tokens / 2.5e4)
+    assert study.estimate_s(run, cfg, {'a': done['a']}, str(tmp_path)) == pytest.approx(100 + tokens / 1e5)
     # no study run yet: train.py's 30M result beside the study directory, plus 120 s
     with open(tmp_path / 'train_30m_quartet.json', 'w') as f:
         json.dump(dict(tokens_per_s=2e5), f)

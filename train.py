@@ -61,6 +61,8 @@ loss_chunk = 0            # > 0: cross-entropy over the lm_head this many tokens
 recompute = 'none'        # one of model.RECOMPUTES: 'mlp' reruns ln_2 -> gate_up -> SwiGLU in the backward (less memory)
 # AdamW and the lr schedule (Quartet's: betas (0.9, 0.95), wd 0.1, clip 1, cosine, 10% warmup)
 optimizer = 'adamw'  # adamw | adamw_fp4 | muon | root | root_fp4 (optim.build)
+ns_precision = ''         # ablations: the Muon family's Newton-Schulz precision instead of the optimizer's ('' = its own)
+optimizer_states = ''     # ablations: 'fp32' or 'nvfp4' for every optimizer state instead of the optimizer's
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.95
@@ -126,6 +128,11 @@ def check_config():
         raise configurator.ConfigError(f'loss_chunk must be 0 (whole logits) or a token count > 0, got {loss_chunk}')
     if recompute not in RECOMPUTES:
         raise configurator.ConfigError(f"unknown recompute {recompute!r}; choose one of {', '.join(RECOMPUTES)}")
+    try:  # ns_precision / optimizer_states against the optimizer, before any model is built
+        optim.build(torch.nn.Linear(16, 16), optimizer, ns=ns_precision or None, states=optimizer_states or None)
+    except ValueError as e:
+        raise configurator.ConfigError(f'--optimizer={optimizer} with --ns_precision={ns_precision!r} '
+                                       f'--optimizer_states={optimizer_states!r}: {e}')
     if keep_checkpoints < 1:
         raise configurator.ConfigError(f'keep_checkpoints must be at least 1, got {keep_checkpoints}')
     check_shapes()
@@ -297,7 +304,8 @@ def build_optimizer(model):
     """optim.build: AdamW, or Muon/ROOT on the 2-D hidden weights and AdamW on the rest. One
     learning_rate and schedule for both: the Muon family's update is scaled to AdamW's RMS
     (optim.update_scale 'rms', README 'Muon and ROOT with FP4 Newton-Schulz')."""
-    return optim.build(model, optimizer, lr=learning_rate, weight_decay=weight_decay, betas=(beta1, beta2))
+    return optim.build(model, optimizer, lr=learning_rate, weight_decay=weight_decay, betas=(beta1, beta2),
+                       ns=ns_precision or None, states=optimizer_states or None)
 
 @torch.no_grad()
 def estimate_loss(model, data, ctx, rank):
@@ -410,7 +418,8 @@ class CheckpointError(ValueError):
 RESUME_KEYS = ('optimizer', 'iter_num', 'rng', 'history')
 # what a resumed run keeps from its checkpoint: the recipe, the model's shape, the optimizer
 MEMORY_KEYS = ('loss_chunk', 'recompute')  # model_args a resumed run may change (same loss, less memory)
-IDENTITY_KEYS = ('recipe', 'model_size', 'block_size', 'n_kv_head', 'optimizer', 'attention', 'lora_rank')
+IDENTITY_KEYS = ('recipe', 'model_size', 'block_size', 'n_kv_head', 'optimizer', 'optimizer_states',
+                 'attention', 'lora_rank')
 
 def read_checkpoint(path):
     """torch.load, refusing a missing, unreadable (truncated, corrupt) or foreign file with a
