@@ -451,12 +451,13 @@ def _time_step(args, variant, compiled, optimizer="adamw", loss_chunk=0, recompu
     ms = bench(step, warmup=1, reps=args.step_reps)
     peak = torch.cuda.max_memory_allocated() / 2**30
     parts = memory_parts(net, opt, step, 0 if loss_chunk else args.batch * args.seq * cfg.vocab_size)
-    try:
-        parts["saved_compiled_gib"] = round(compiled_saved_bytes(net, fwd, x, y) / 2**30, 2) if compiled else None
-        parts["saved_eager_gib"] = round(saved_by_kind(net, x, y)[-1]["bytes"] / 2**30, 2)
-    except Exception as e:  # the timing stands without the count; the row says why it is missing
-        traceback.print_exc()
-        parts["saved_error"] = f"{type(e).__name__}: {e}"[:300]
+    if args.step_saved:  # opt-in: the counts run more forwards (the hooks may recompile the model)
+        try:
+            parts["saved_compiled_gib"] = round(compiled_saved_bytes(net, fwd, x, y) / 2**30, 2) if compiled else None
+            parts["saved_eager_gib"] = round(saved_by_kind(net, x, y)[-1]["bytes"] / 2**30, 2)
+        except Exception as e:  # the timing stands without the count; the row says why it is missing
+            traceback.print_exc()
+            parts["saved_error"] = f"{type(e).__name__}: {e}"[:300]
     del net, opt, fwd
     return ms, peak, warm_s, parts
 
@@ -1313,6 +1314,7 @@ def main():
     ap.add_argument("--step-loss-chunk", default="0", help="step: comma list of GPTConfig.loss_chunk values (0: whole logits)")
     ap.add_argument("--step-recompute", default="none", help="step, saved: comma list of GPTConfig.recompute values (none, mlp)")
     ap.add_argument("--saved-compiled", action="store_true", help="saved: also the compiled forward's total (compiles each row)")
+    ap.add_argument("--step-saved", action="store_true", help="step: also count each row's saved bytes, compiled and eager (more forwards)")
     ap.add_argument("--optim-reps", type=int, default=5, help="optim: timed optimizer steps")
     ap.add_argument("--states-lm", type=int, default=0, help="states: also train the tiny LM this many steps per format and seed (CPU: ~2 min a run)")
     ap.add_argument("--compare", nargs="+", default=None, metavar="SUMMARY_JSON",
