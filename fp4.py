@@ -736,7 +736,8 @@ def _mm_bf16(a, b, out_dtype):
     one = torch.ones((), device=a.codes.device)
     a1 = _dequantize_lead(QTensor(a.codes, a.scales, one, a.fmt, a.shape, a.axis), torch.bfloat16)
     b1 = _dequantize_lead(QTensor(b.codes, b.scales, one, b.fmt, b.shape, b.axis), torch.bfloat16)
-    return (_mm_f32(a1, b1) * (a.tensor_scale * b.tensor_scale)).to(out_dtype)
+    out = _mm_f32(a1, b1)  # (M, N) FP32; scaled in place: no second FP32 (M, N) buffer
+    return out.mul_(a.tensor_scale * b.tensor_scale).to(out_dtype)
 
 
 def _mm_f32(a1, b1):
