@@ -6,6 +6,7 @@ Read top to bottom: the FP4 state quantizer (shared by every optimizer here), Ad
 and Muon/ROOT, then build() and state_bytes().
 """
 import math
+import os
 
 import torch
 
@@ -393,8 +394,9 @@ def adamw_nvfp4_reference(p, m, v, c):
 # fused=None means the kernel only once it has passed its GPU test. Its first H200 run (2026-12-01)
 # failed in every case, from a bug in the test (states compared by position; found through the
 # whole-kernel host emulation and fixed); until the rerun passes, None runs the PyTorch reference
-# (the same bits, ~5x slower at 1B: README) and fused=True is opt-in.
-FUSED_BY_DEFAULT = False
+# (the same bits, ~5x slower at 1B: README) and fused=True is opt-in; FP4_ADAMW_FUSED=1 turns the
+# default on (for a run on a GPU where the test has passed).
+FUSED_BY_DEFAULT = os.environ.get("FP4_ADAMW_FUSED", "0") == "1"
 
 
 def _use_kernel(p, st, group):
