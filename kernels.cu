@@ -1021,12 +1021,12 @@ __device__ __forceinline__ void e2m1x8_to_f16(u32 w, u32* h) {
   }
 }
 
+// A dense input's tile (SRC 0-2: FP32, BF16, FP16), signs applied.
 template <int SRC, int G>
-__device__ __forceinline__ void load_tile(float* tile, const void* __restrict__ x, const u8* __restrict__ in_scales,
-                                          const float* __restrict__ gin, u32 R, u32 K, u32 r0, u32 c0,
+__device__ __forceinline__ void load_tile(float* tile, const void* __restrict__ x, u32 R, u32 K, u32 r0, u32 c0,
                                           const RowSigns& sw) {
   const int nt = blockDim.x;
-  if constexpr (SRC <= 2) {
+  {
     constexpr int VEC = SRC == 0 ? 4 : 8;
     const bool vec = (K % VEC == 0) && (c0 + TILE_C <= K);
     if (vec) {
@@ -1053,42 +1053,62 @@ __device__ __forceinline__ void load_tile(float* tile, const void* __restrict__ 
         tile[rr * TILE_LD + cc] = __uint_as_float(__float_as_uint(v) ^ row_sign<G>(sw, rr));
       }
     }
-  } else {  // 16 codes (8 bytes) a chunk; K % 16 == 0, so a chunk is all in or all out
-    const u8* cb = reinterpret_cast<const u8*>(x);
-    for (int e = threadIdx.x; e < TILE_R * 2; e += nt) {
-      int rr = e >> 1, cc = (e & 1) * 16;
-      u32 r = r0 + rr, c = c0 + cc;
-      float v[16];
-      if (r < R && c < K) {
-        uint2 w = __ldg(reinterpret_cast<const uint2*>(cb + (u64)r * (K / 2) + c / 2));
-        float s, g2 = 1.0f;
-        if constexpr (SRC == 3) {
-          u32 sb = __ldg(in_scales + (u64)r * (K / 32) + c / 32);
-          s = sb == 0xFFu ? __uint_as_float(0x7FFFFFFFu) : exp2i((int)sb - 127);
-        } else {
-          s = e4m3_dec(__ldg(in_scales + (u64)r * (K / 16) + c / 16));
-          g2 = *gin;
-        }
-        s = __uint_as_float(__float_as_uint(s) ^ row_sign<G>(sw, rr));  // (code * -s) == -(code * s)
-        u32 h[8];
-        e2m1x8_to_f16(w.x, h);
-        e2m1x8_to_f16(w.y, h + 4);
-#pragma unroll
-        for (int i = 0; i < 16; i++) {
-          const float q = __half2float(__ushort_as_half((unsigned short)(h[i / 2] >> (16 * (i & 1)))));
-          float d = __fmul_rn(q, s);  // mxfp4: code * 2^e; nvfp4: (code * s) * g
-          if constexpr (SRC == 4) d = __fmul_rn(d, g2);
-          v[i] = d;
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < 16; i++) v[i] = 0.0f;
-      }
-#pragma unroll
-      for (int i = 0; i < 16; i += 4)
-        *reinterpret_cast<float4*>(tile + rr * TILE_LD + cc + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
-    }
   }
+}
+
+// A QTensor's codes as the input (SRC 3: MXFP4, 4: NVFP4), one chunk e of a tile at a time (16
+// codes, 8 bytes, and their scale byte; 256 chunks a tile; K % 16 == 0, so a chunk is all in or all
+// out), in two steps so that the next tile's loads can be in flight while this one is quantized:
+// fetch_chunk issues the global loads into registers, store_chunk decodes them into the tile
+// (fp4.dequantize's values, the row's sign applied).
+struct CodeChunk {
+  uint2 w;
+  u32 sb;
+};
+
+template <int SRC>
+__device__ __forceinline__ CodeChunk fetch_chunk(const void* __restrict__ x, const u8* __restrict__ in_scales,
+                                                 u32 R, u32 K, u32 r0, u32 c0, int e) {
+  const u32 r = r0 + (e >> 1), col = c0 + (e & 1) * 16;
+  CodeChunk c = {make_uint2(0u, 0u), 0u};
+  if (r < R && col < K) {
+    c.w = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const u8*>(x) + (u64)r * (K / 2) + col / 2));
+    c.sb = SRC == 3 ? __ldg(in_scales + (u64)r * (K / 32) + col / 32) : __ldg(in_scales + (u64)r * (K / 16) + col / 16);
+  }
+  return c;
+}
+
+template <int SRC, int G>
+__device__ __forceinline__ void store_chunk(float* tile, const CodeChunk& c, const float* __restrict__ gin,
+                                            u32 R, u32 K, u32 r0, u32 c0, const RowSigns& sw, int e) {
+  const int rr = e >> 1, cc = (e & 1) * 16;
+  float v[16];
+  if (r0 + rr < R && c0 + cc < K) {
+    float s, g2 = 1.0f;
+    if constexpr (SRC == 3) {
+      s = c.sb == 0xFFu ? __uint_as_float(0x7FFFFFFFu) : exp2i((int)c.sb - 127);
+    } else {
+      s = e4m3_dec(c.sb);
+      g2 = *gin;  // nvfp4's tensor scale
+    }
+    s = __uint_as_float(__float_as_uint(s) ^ row_sign<G>(sw, rr));  // (code * -s) == -(code * s)
+    u32 h[8];
+    e2m1x8_to_f16(c.w.x, h);
+    e2m1x8_to_f16(c.w.y, h + 4);
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+      const float q = __half2float(__ushort_as_half((unsigned short)(h[j / 2] >> (16 * (j & 1)))));
+      float d = __fmul_rn(q, s);  // mxfp4: code * 2^e; nvfp4: (code * s) * g
+      if constexpr (SRC == 4) d = __fmul_rn(d, g2);
+      v[j] = d;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 16; j++) v[j] = 0.0f;
+  }
+#pragma unroll
+  for (int j = 0; j < 16; j += 4)
+    *reinterpret_cast<float4*>(tile + rr * TILE_LD + cc + j) = make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]);
 }
 
 // One CTA loops over 128 x 32 tiles (t = column tile fastest); HH = G: the Hadamard as straight-line
@@ -1100,10 +1120,38 @@ __device__ __forceinline__ void cols_loop(float* tile, const void* __restrict__ 
   const u32 tiles_c = (K + TILE_C - 1) / TILE_C;
   const u32 ntiles = tiles_c * ((R + TILE_R - 1) / TILE_R);  // host checks < 2^32
   const u32 lane = threadIdx.x & 31, grp = threadIdx.x >> 5;  // blockDim = 32 * TILE_R / G
+  // SRC 3/4: the next tile's codes and scales are loaded while this one is quantized, where a CTA
+  // loops over tiles (G = 32: fp4's launch gives one resident wave, 2 chunks a thread). Elsewhere
+  // a CTA has one tile, and chunks held over the quantization would only cost registers (G = 128
+  // spilled, G = 16 lost a CTA an SM: ptxas -v, sm_90a): there one chunk at a time.
+  constexpr bool PREFETCH = G == 32;
+  constexpr int NC = PREFETCH ? TILE_R * 2 / (32 * TILE_R / G) : 1;  // chunks a thread (blockDim = 32 TILE_R / G)
+  CodeChunk next[NC];
+  if constexpr (SRC >= 3 && PREFETCH) {
+    if (blockIdx.x < ntiles) {
+#pragma unroll
+      for (int i = 0; i < NC; i++)
+        next[i] = fetch_chunk<SRC>(x, in_scales, R, K, (blockIdx.x / tiles_c) * TILE_R, (blockIdx.x % tiles_c) * TILE_C,
+                                   threadIdx.x + i * blockDim.x);
+    }
+  }
   for (u32 t = blockIdx.x; t < ntiles; t += gridDim.x) {
     const u32 c0 = (t % tiles_c) * TILE_C, r0 = (t / tiles_c) * TILE_R;
     __syncthreads();  // the previous tile is read
-    load_tile<SRC, G>(tile, x, in_scales, gin, R, K, r0, c0, sw);
+    if constexpr (SRC >= 3 && PREFETCH) {
+      const u32 tn = t + gridDim.x;
+#pragma unroll
+      for (int i = 0; i < NC; i++) {
+        const int e = threadIdx.x + i * blockDim.x;
+        store_chunk<SRC, G>(tile, next[i], gin, R, K, r0, c0, sw, e);
+        if (tn < ntiles) next[i] = fetch_chunk<SRC>(x, in_scales, R, K, (tn / tiles_c) * TILE_R, (tn % tiles_c) * TILE_C, e);
+      }
+    } else if constexpr (SRC >= 3) {
+      for (int e = threadIdx.x; e < TILE_R * 2; e += blockDim.x)
+        store_chunk<SRC, G>(tile, fetch_chunk<SRC>(x, in_scales, R, K, r0, c0, e), gin, R, K, r0, c0, sw, e);
+    } else {
+      load_tile<SRC, G>(tile, x, R, K, r0, c0, sw);
+    }
     __syncthreads();
     const u32 col = c0 + lane, r = r0 + grp * G;
     if (col < K && r < R) {
