@@ -5,10 +5,11 @@ model_size = '1b'
 recipe = 'fullstack'      # every block linear: NVFP4 four-over-six + a BF16 LoRA-SVD part (8.4)
 lora_rank = 0             # 0: fp4.lora_rank_for's rule (128 at d 2048); -1: no low-rank part
 lora_refit_interval = 4000
-# `attention` comes with the FP4-attention work (SPEC.md 8.3): train.py rejects it until that lands.
 attention = 'nvfp4'       # Q, K, V quantized once; Q K^T and the dS products in NVFP4 (8.3)
 optimizer = 'root_fp4'    # ROOT with NVFP4 Newton-Schulz and FP4 momentum on the 2-D hidden
                           # weights (8.2); AdamW with FP4 states (8.1) on the rest (optim.build)
+loss_chunk = 4096         # memory, not numerics: the lm_head loss 4K tokens at a time (no whole logits)
+recompute = 'mlp'         # and gate_up + SwiGLU rerun in the backward (model.py; README: memory)
 dataset = 'fineweb'
 out_dir = 'out/1b-fullstack'
 block_size = 2048
