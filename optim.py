@@ -176,6 +176,14 @@ def _add_mean(d, mu):
 STATE_FORMATS = ("fp32", "nvfp4")
 
 
+def _run_closure(closure):
+    """torch's optimizer contract: step(closure) re-evaluates the loss with gradients on."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class PackedStates:
     """A torch optimizer mixin for states held packed (quantize_state's dicts): AdamW's and
     ROOT's state_dict() hold them as they are (uint8 codes and scales), and load_state_dict keeps
@@ -221,10 +229,7 @@ class AdamW(PackedStates, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _run_closure(closure)
         index = -1
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
@@ -740,10 +745,7 @@ class ROOT(PackedStates, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _run_closure(closure)
         index = 0  # the param's position in the optimizer: part of its SR seed
         for group in self.param_groups:
             for p in group["params"]:
