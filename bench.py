@@ -1327,7 +1327,7 @@ def main():
     out = args.out or os.path.join("results", gpu_slug())
     os.makedirs(out, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__, backends=fp4.backends(),
-                code=code_version(),
+                code=code_version(), env=switches(),
                 time=time.strftime("%Y-%m-%d %H:%M:%S"))
     args.out_dir, args.meta = out, meta
     for name in args.sections.split(","):
@@ -1340,6 +1340,15 @@ def code_version():
     import study
     commit, dirty = study.git_state()
     return dict(commit=commit, dirty=dirty)
+
+
+SWITCHES = ("FP4_KERNELS", "FP4_BACKEND", "FP4_FAST_ACCUM_BITS", "FP4_MX_ROWS", "FP4_ATTENTION",
+            "FP4_ATTENTION_OPERANDS", "FP4_ADAMW_FUSED")
+
+
+def switches():
+    """The environment switches that change which code path runs (fp4, attention, optim), as set."""
+    return {k: os.environ[k] for k in SWITCHES if k in os.environ}
 
 
 def save_rows(args, name, rows):

@@ -209,7 +209,7 @@ class AdamW(PackedStates, torch.optim.Optimizer):
     'nvfp4'. The NVFP4 options: rounding ('rn', 'sr' or a pair: m's, v's), hadamard and mean (as
     quantize_state's), ratio_clamp (the eps blow-up guard above). seed: the base of the SR seeds,
     a pure function of (seed, step, parameter index, state), so resumed runs repeat exactly.
-    fused: None uses the fused GPU kernel where it applies if FUSED_BY_DEFAULT (now False: below),
+    fused: None uses the fused GPU kernel where it applies (unless FP4_ADAMW_FUSED=0: below),
     False never (the PyTorch reference), True requires it. Every option can be set per param group; tensors quantizable() rejects keep
     FP32 states under 'nvfp4'."""
 
@@ -396,12 +396,11 @@ def adamw_nvfp4_reference(p, m, v, c):
 # The fused GPU path: kernels.cu's adamw_nvfp4, launched twice per parameter tensor through
 # kernels.launch (pass 1: the new states' amaxes for the NVFP4 tensor scales; pass 0: everything else).
 
-# fused=None means the kernel only once it has passed its GPU test. Its first H200 run (2026-12-01)
-# failed in every case, from a bug in the test (states compared by position; found through the
-# whole-kernel host emulation and fixed); until the rerun passes, None runs the PyTorch reference
-# (the same bits, ~5x slower at 1B: README) and fused=True is opt-in; FP4_ADAMW_FUSED=1 turns the
-# default on (for a run on a GPU where the test has passed).
-FUSED_BY_DEFAULT = os.environ.get("FP4_ADAMW_FUSED", "0") == "1"
+# fused=None means the kernel wherever it applies. Its first H200 run (2026-12-01) failed in every
+# case, from a bug in the test (states compared by position; found through the whole-kernel host
+# emulation and fixed); the rerun passed in all 12 formats (results/nvidia-h200/pytest_h200_fused_adamw.txt).
+# FP4_ADAMW_FUSED=0 sends None to the PyTorch reference instead (the same bits, ~5x slower at 1B).
+FUSED_BY_DEFAULT = os.environ.get("FP4_ADAMW_FUSED", "1") != "0"
 
 
 def _use_kernel(p, st, group):
