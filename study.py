@@ -49,8 +49,14 @@ REFERENCE = 'bf16'
 # split = 1.6M val tokens an eval. No checkpoints: a run is the unit a study resumes by.
 # The lm_head's cross-entropy runs 8K tokens at a time (model.chunked_cross_entropy, the same loss):
 # the whole 32K x 100K FP32 logits would take ~25 GiB a run, and runs share the GPU (--jobs).
+# At the end, the loss over the val split's first 4M tokens (the H200's whole 3.75M-token split), the
+# same text for every run: the 50 random eval batches are drawn by the run's seed, so across seeds
+# their sampling (eval SE ~0.017 at 30M) adds to the training's spread; paired gaps cancel it.
 SETTINGS = dict(block_size=512, batch_size=64, gradient_accumulation_steps=1, eval_iters=50,
-                always_save_checkpoint=False, log_interval=25, loss_chunk=8192)
+                always_save_checkpoint=False, log_interval=25, loss_chunk=8192, eval_split_tokens=4_000_000)
+# settings that add a measurement after training and change nothing in it: a run recorded
+# without one is still the same run (it lacks that number)
+MEASURE_ONLY = ('eval_split_tokens',)
 # peak learning rate per size: train.py's 30M default and config/quartet_200m.py's 200M one,
 # interpolated between; not tuned per recipe (the same for all: same-token, same-schedule runs)
 LEARNING_RATE = {'tiny': 4e-3, '30m': 1.5e-3, '50m': 1.25e-3, '100m': 1.1e-3, '200m': 1e-3,
@@ -169,7 +175,7 @@ def split_done(runs, configs, records):
             continue
         old, new = rec['train_config'], comparable(cfg)
         diff = [f'{k}: {old.get(k)!r} -> {new.get(k)!r}' for k in sorted(set(old) | set(new))
-                if old.get(k) != new.get(k)]
+                if old.get(k) != new.get(k) and not (k in MEASURE_ONLY and k not in old)]
         if diff:
             raise ValueError(f"{run.id} exists with another config ({'; '.join(diff)}): give the "
                              'new runs another --variant name or another --results directory')
@@ -312,6 +318,7 @@ def make_record(run, cfg, rc, wall_s, context):
         curve = s['loss_curve']
         se = curve.get('val_loss_se') or [math.nan]
         rec.update(status='ok', val_loss=s['val_loss'], val_loss_se=se[-1],
+                   val_loss_split=s.get('val_loss_split'), val_split_tokens=s.get('val_split_tokens'),
                    eval_train_loss=curve['eval_train_loss'][-1], tokens_per_s=s['tokens_per_s'],
                    train_wall_s=s['wall_s'], peak_mem_gib=s['peak_mem_gib'], device=s['device'],
                    curve=curve)
@@ -618,17 +625,25 @@ def reference_of(group, groups):
     same = f'{REFERENCE}+{variant}' if variant else REFERENCE
     return same if same in groups and same != group else REFERENCE
 
-def val_losses(runs):
-    return {s: r['val_loss'] for s, r in runs.items() if r['status'] == 'ok'}
+def loss_key(groups):
+    """The loss a cell compares: 'val_loss_split' (the same val text for every run) where every
+    finished run of the cell has it, else 'val_loss' (eval batches drawn by each run's seed; the
+    runs of one seed share them, so paired gaps stay paired, but across seeds they add spread)."""
+    ok = [r for runs in groups.values() for r in runs.values() if r['status'] == 'ok']
+    return 'val_loss_split' if ok and all(r.get('val_loss_split') is not None for r in ok) else 'val_loss'
+
+def val_losses(runs, key='val_loss'):
+    return {s: r[key] for s, r in runs.items() if r['status'] == 'ok'}
 
 def gap_rows(records):
     """One row per (cell, group): losses over seeds, the paired gap to its reference."""
     rows = []
     for (size, tokens), groups in by_cell(records).items():
+        key = loss_key(groups)
         for group in group_order(groups):
             runs = groups[group]
             ok = [r for r in runs.values() if r['status'] == 'ok']
-            losses = val_losses(runs)
+            losses = val_losses(runs, key)
             any_run = next(iter(runs.values()))
             ref = reference_of(group, groups)
             row = dict(size=size, tokens=tokens, group=group, ref=ref, seeds=sorted(losses),
@@ -636,15 +651,16 @@ def gap_rows(records):
                        tokens_per_param=tokens / any_run['n_params'], epochs=any_run['epochs'],
                        mean=statistics.fmean(losses.values()) if losses else math.nan,
                        sd=statistics.stdev(losses.values()) if len(losses) > 1 else math.nan,
+                       eval='split' if key == 'val_loss_split' else 'batches',
                        eval_se=statistics.median(r['val_loss_se'] for r in ok) if ok else math.nan,
                        tokens_per_s=statistics.median(r['tokens_per_s'] for r in ok) if ok else math.nan,
                        commits=sorted({r['git_commit'] or '?' for r in runs.values()}),
                        corpora=sorted({r['corpus']['train_sha1'] for r in runs.values()}))
             if group != ref and ref in groups:
-                row['gap'] = paired_gap(val_losses(groups[ref]), losses)
+                row['gap'] = paired_gap(val_losses(groups[ref], key), losses)
             base = group.partition('+')[0]
             if '+' in group and base in groups:
-                row['vs_base'] = paired_gap(val_losses(groups[base]), losses)
+                row['vs_base'] = paired_gap(val_losses(groups[base], key), losses)
             rows.append(row)
     return rows
 
@@ -655,9 +671,12 @@ def fmt_gap(gap):
         return f"{100 * gap['rel']:+.2f}%", 'one seed: none'
     return f"{100 * gap['rel']:+.2f}%", f"[{100 * gap['rel_lo']:+.2f}%, {100 * gap['rel_hi']:+.2f}%]"
 
+def fmt_eval(row):
+    return 'whole split' if row['eval'] == 'split' else f"per-seed batches, SE {row['eval_se']:.4f}"
+
 def gap_table(rows):
     lines = ['| size | tokens | tokens/param | recipe | seeds | val loss (mean ± sd) | gap (paired) '
-             '| 95% interval | eval SE | tokens/s |', '|' + '---|' * 10]
+             '| 95% interval | eval | tokens/s |', '|' + '---|' * 10]
     for r in rows:
         gap, interval = fmt_gap(r.get('gap'))
         if r.get('gap'):
@@ -666,7 +685,7 @@ def gap_table(rows):
         seeds = f"{len(r['seeds'])}" + (f" (+{len(r['diverged'])} diverged)" if r['diverged'] else '')
         lines.append(f"| {r['size']} | {tokens_label(r['tokens'])} | {r['tokens_per_param']:.3g} "
                      f"| {r['group']} | {seeds} | {r['mean']:.4f}{sd} | {gap} | {interval} "
-                     f"| {r['eval_se']:.4f} | {r['tokens_per_s']:,.0f} |")
+                     f"| {fmt_eval(r)} | {r['tokens_per_s']:,.0f} |")
     return '\n'.join(lines)
 
 def law_section(records, exponents='auto', n_boot=200):
@@ -674,7 +693,7 @@ def law_section(records, exponents='auto', n_boot=200):
     seed_losses = {}
     for (size, tokens), groups in by_cell(records).items():
         for group, runs in groups.items():
-            losses = val_losses(runs)
+            losses = val_losses(runs, loss_key(groups))
             if losses:
                 n = next(iter(runs.values()))['n_params']
                 seed_losses[(group, n, tokens)] = losses
@@ -773,7 +792,7 @@ def plot_law(fit, records, path):
     for ax, group in zip(axes[0], groups):
         en, ed = fit['eff'].get(group, (1.0, 1.0))
         for size in dict.fromkeys(s for s, _ in cells):  # by_cell orders them by N
-            pts = [(d, statistics.fmean(val_losses(g[group]).values()),
+            pts = [(d, statistics.fmean(val_losses(g[group], loss_key(g)).values()),
                     next(iter(g[group].values()))['n_params'])
                    for (s, d), g in cells.items() if s == size and val_losses(g.get(group, {}))]
             if not pts:
@@ -808,15 +827,20 @@ def report(directory, exponents='auto', n_boot=200, log=print):
     if fit:
         plot_law(fit, records, os.path.join(directory, 'law.png'))
         pngs.append('law.png')
-    noise = [f"{r['size']} {tokens_label(r['tokens'])}: seed sd {r['sd']:.4f}, eval SE {r['eval_se']:.4f}"
+    noise = [f"{r['size']} {tokens_label(r['tokens'])}: seed sd {r['sd']:.4f} ({fmt_eval(r)}"
+             + (f"; the training's alone ~{math.sqrt(max(0.0, r['sd'] ** 2 - r['eval_se'] ** 2)):.4f}"
+                if r['eval'] == 'batches' else '') + ')'
              for r in rows if r['group'] == REFERENCE and np.isfinite(r['sd'])]
     commits = sorted({c for r in rows for c in r['commits']})
     corpora = sorted({c for r in rows for c in r['corpora']})
     variants = [r for r in rows if r.get('vs_base')]
     md = [f'Val loss after the same tokens, per recipe; gap = mean over seeds of L(recipe, seed) / '
           f'L(bf16, seed) - 1, the runs paired by seed (same init, data order and eval batches); '
-          f'95% interval = Student t on those paired gaps (n - 1 degrees of freedom); eval SE = '
-          f'standard error of one val loss over its eval batches (median over seeds).', '',
+          f'95% interval = Student t on those paired gaps (n - 1 degrees of freedom). eval: '
+          f'"whole split" = the loss over the same val text for every run (train.py eval_split_tokens); '
+          f'"per-seed batches" = the last eval\'s random batches, drawn by the seed (the runs of a seed '
+          f'share them), with SE = the standard error of one val loss over them (median over seeds): '
+          f'across seeds that sampling adds to the spread, within a seed\'s pair it cancels.', '',
           gap_table(rows), '']
     if variants:
         md += ['Variants against their own recipe (paired by seed):', '',

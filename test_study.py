@@ -211,9 +211,10 @@ def fake_start(outcomes):
             return 1
         curve = dict(steps=[0, 1], train_loss=[5.0, outcome], val_steps=[0, 2],
                      val_loss=[5.0, outcome], eval_train_loss=[5.0, outcome], val_loss_se=[0.1, 0.01])
+        split = outcome - 0.5 if cfg.get('eval_split_tokens') else None  # train.py: None when off
         with open(os.path.join(cfg['out_dir'], 'summary.json'), 'w') as f:
-            json.dump(dict(val_loss=outcome, tokens_per_s=1e5, wall_s=1.0, peak_mem_gib=1.0,
-                           device='cpu', loss_curve=curve), f)
+            json.dump(dict(val_loss=outcome, val_loss_split=split, val_split_tokens=256 if split else 0,
+                           tokens_per_s=1e5, wall_s=1.0, peak_mem_gib=1.0, device='cpu', loss_curve=curve), f)
         return 0
     return start, started
 
@@ -248,6 +249,49 @@ def test_resume_skips_finished_runs(tmp_path, monkeypatch, no_corpus):
     # the same ids under changed settings: an error naming what changed, nothing run
     with pytest.raises(ValueError, match='eval_iters: 4 -> 5'):
         study.run_study(runs, results, **dict(kw, settings=dict(TINY, eval_iters=5)))
+
+def test_a_measure_only_setting_keeps_the_runs_recorded_without_it(tmp_path, monkeypatch, no_corpus):
+    """eval_split_tokens only adds a number after training: runs recorded before it existed are
+    reused (and report without it); a changed value is another run, an error; new runs record it."""
+    results = str(tmp_path / 'res')
+    start, started = fake_start({'tiny-10K-bf16-s1': 2.5})
+    monkeypatch.setattr(study, 'start', start)
+    kw = dict(work_dir=str(tmp_path / 'w'), log=lambda m: None)
+    study.run_study(study.grid(['bf16'], [0], ['tiny'], [1e4]), results, settings=TINY, **kw)
+    assert 'eval_split_tokens' not in study.load_records(results)['tiny-10K-bf16-s0']['train_config']
+    started.clear()
+    with_split = dict(TINY, eval_split_tokens=256)
+    study.run_study(study.grid(['bf16'], [0, 1], ['tiny'], [1e4]), results, settings=with_split, **kw)
+    assert started == ['tiny-10K-bf16-s1']
+    recs = study.load_records(results)
+    assert recs['tiny-10K-bf16-s1']['val_loss_split'] == 2.0 and recs['tiny-10K-bf16-s0']['val_loss_split'] is None
+    with pytest.raises(ValueError, match='eval_split_tokens: 256 -> 512'):
+        study.run_study(study.grid(['bf16'], [1], ['tiny'], [1e4]), results,
+                        settings=dict(TINY, eval_split_tokens=512), **kw)
+
+def test_report_compares_the_split_loss_where_every_run_of_a_cell_has_it(tmp_path):
+    """A cell whose runs all have val_loss_split is compared on it (the same text for every run);
+    a cell where one lacks it falls back to val_loss for all, so no pair mixes the two."""
+    def rec(size, recipe, seed, loss, split):
+        run = study.Run(size, 1e6, recipe, seed)
+        study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+            id=run.id, group=recipe, recipe=recipe, variant='', seed=seed, model_size=size, tokens=1e6,
+            n_params=study.n_params(size, 512), epochs=0.1, status='ok', val_loss=loss, val_loss_se=0.01,
+            val_loss_split=split, tokens_per_s=1e5, git_commit='abc', corpus=dict(train_sha1='f00'),
+            curve=dict(train_loss=[5.0, loss], val_steps=[0, 2], val_loss=[5.0, loss])))
+    for seed, (b, q) in enumerate([(3.0, 3.3), (3.2, 3.3)]):  # per-seed batches: noisy
+        rec('30m', 'bf16', seed, b, 2.0 + 0.01 * seed)
+        rec('30m', 'quartet', seed, q, 2.04 + 0.01 * seed)
+        rec('50m', 'bf16', seed, b, 1.9)
+        rec('50m', 'quartet', seed, q, None if seed else 1.95)
+    rows, _ = study.report(str(tmp_path), n_boot=10, log=lambda m: None)
+    by = {(r['size'], r['group']): r for r in rows}
+    assert by['30m', 'bf16']['eval'] == 'split' and by['30m', 'bf16']['mean'] == pytest.approx(2.005)
+    assert by['30m', 'quartet']['gap']['rel'] == pytest.approx((2.04 / 2.0 + 2.05 / 2.01) / 2 - 1)
+    assert by['50m', 'bf16']['eval'] == 'batches' and by['50m', 'bf16']['mean'] == pytest.approx(3.1)
+    assert by['50m', 'quartet']['gap']['rel'] == pytest.approx((3.3 / 3.0 + 3.3 / 3.2) / 2 - 1)
+    md = (tmp_path / 'report.md').read_text()
+    assert '| whole split |' in md and '| per-seed batches, SE 0.0100 |' in md
 
 def test_budget_starts_only_what_fits(tmp_path, monkeypatch, no_corpus):
     start, started = fake_start({})

@@ -324,6 +324,34 @@ def test_recompute_run_is_the_same_run(corpus, tmp_path):
     ckpt = torch.load(tmp_path / 'none2' / 'ckpt.pt', map_location='cpu', weights_only=False)
     assert (ckpt['model_args']['recompute'], ckpt['model_args']['loss_chunk']) == ('mlp', 64)
 
+def test_split_eval_is_the_val_splits_first_windows(corpus, tmp_path):
+    """eval_split_tokens adds the final loss over the val split's first windows, in order (no seed
+    draws them), and changes nothing else. Recomputed here from the checkpoint in one batch: the
+    run's 7 batches of 8 x 32 tokens each have the same token count, so their mean is this mean."""
+    args = ('--recipe=bf16', '--max_iters=4', '--eval_interval=4', '--sample_tokens=0', '--seed=3')
+    plain = run(corpus, tmp_path / 'plain', *args)
+    s = run(corpus, tmp_path / 'split', *args, '--eval_split_tokens=2000')
+    assert s['loss_curve']['train_loss'] == plain['loss_curve']['train_loss']
+    assert s['val_loss'] == plain['val_loss'] and plain['val_loss_split'] is None
+    n = 7 * 8 * 32  # whole batches within the first 2000 tokens
+    assert s['val_split_tokens'] == n
+    ckpt = torch.load(tmp_path / 'split' / 'ckpt.pt', weights_only=False)
+    m = GPT(model_py.GPTConfig(**ckpt['model_args']))
+    m.load_state_dict(ckpt['model'])
+    m.eval()
+    val = torch.from_numpy(np.fromfile(os.path.join(corpus, 'val.bin'), dtype=np.uint32).astype(np.int64))
+    with torch.no_grad():
+        _, loss = m(val[:n].view(-1, 32), val[1:n + 1].view(-1, 32))
+    assert abs(loss.item() - s['val_loss_split']) < 1e-5, (loss.item(), s['val_loss_split'])
+    assert f"val_loss_split={s['val_loss_split']:.4f}" in (tmp_path / 'split' / 'train.log').read_text()
+
+def test_split_eval_errors(corpus, tmp_path):
+    with pytest.raises(configurator.ConfigError, match='eval_split_tokens must be 0'):
+        run(corpus, tmp_path, '--eval_split_tokens=-1')
+    with pytest.raises(SystemExit, match='eval_split_tokens=100: less than one batch'):
+        run(corpus, tmp_path, '--recipe=bf16', '--max_iters=2', '--eval_split_tokens=100')
+    assert not (tmp_path / 'ckpt.pt').exists()  # stopped before training
+
 def test_nan_stops_cleanly(corpus, tmp_path):
     run(corpus, tmp_path, '--recipe=bf16', '--max_iters=2', '--eval_interval=2')
     ckpt_path = tmp_path / 'ckpt.pt'

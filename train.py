@@ -48,6 +48,7 @@ resume = False            # continue from out_dir/ckpt.pt, bit-exact on CPU
 resume_from = ''          # continue from this checkpoint file instead (implies resume)
 keep_checkpoints = 2      # keep the newest N: ckpt.pt, then ckpt.<step>.pt for the older ones
 sample_tokens = 100       # at the end, print this many tokens generated after 'def ' (0: none)
+eval_split_tokens = 0     # > 0: at the end, the loss over the val split's first this-many tokens, the same text for every seed
 # data
 dataset = 'pycode'        # data/<dataset>/{train,val}.bin; pycode is prepared on first use
 data_dir = ''             # set to read the .bin files from elsewhere
@@ -133,6 +134,8 @@ def check_config():
     except ValueError as e:
         raise configurator.ConfigError(f'--optimizer={optimizer} with --ns_precision={ns_precision!r} '
                                        f'--optimizer_states={optimizer_states!r}: {e}')
+    if eval_split_tokens < 0:
+        raise configurator.ConfigError(f'eval_split_tokens must be 0 (none) or a token count, got {eval_split_tokens}')
     if keep_checkpoints < 1:
         raise configurator.ConfigError(f'keep_checkpoints must be at least 1, got {keep_checkpoints}')
     check_shapes()
@@ -331,6 +334,39 @@ def estimate_loss(model, data, ctx, rank):
             out[f'{split}_se'] = (losses.std() / math.sqrt(eval_iters)).item() if eval_iters > 1 else math.nan
         model.train()
     return out
+
+def split_batches(val_tokens, world):
+    """How many whole batches of every rank split_loss reads; an error before training if none."""
+    n = min(eval_split_tokens, val_tokens - 1) // (batch_size * block_size * world)
+    if n == 0:
+        raise SystemExit(f'eval_split_tokens={eval_split_tokens}: less than one batch of all ranks '
+                         f'({batch_size * block_size * world} tokens) in the first eval_split_tokens '
+                         f'of the {val_tokens:,}-token val split; raise it, or 0 for none')
+    return n
+
+@torch.no_grad()
+def split_loss(model, val, ctx, rank, world):
+    """(mean loss, tokens) over the first eval_split_tokens tokens of the val split, cut into
+    consecutive block_size windows, batch_size at a time, the ranks sharing the batches. Unlike
+    estimate_loss's random windows, which the run's seed draws, this is the same text for every
+    seed and run, so the seeds' spread is the training's alone (study.py, README 'Accuracy').
+    Whole batches only (one compiled shape): the tail of fewer than batch_size * world windows is left out."""
+    per_batch, n_batches = batch_size * block_size, split_batches(len(val), world)
+    total = torch.zeros((), device=device, dtype=torch.float64)
+    devices = [torch.cuda.current_device()] if device.startswith('cuda') else []
+    with torch.random.fork_rng(devices=devices):
+        model.eval()
+        for b in range(rank, n_batches * world, world):
+            i = b * per_batch + np.arange(batch_size)[:, None] * block_size + np.arange(block_size + 1)
+            win = torch.from_numpy(val[i.ravel()].astype(np.int64).reshape(batch_size, block_size + 1))
+            x, y = (t.to(device) for t in (win[:, :-1], win[:, 1:]))
+            with ctx:
+                _, loss = model(x, y)
+            total += loss.double()  # each batch has the same token count: the mean of means is the mean
+        model.train()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return (total / (n_batches * world)).item(), n_batches * world * per_batch
 
 def get_lr(it, warmup, decay_iters):
     """Linear warmup, then cosine down to learning_rate * min_lr_frac."""
@@ -745,7 +781,9 @@ def finish(history, stats, model_args, model=None, meta=None):
     """Loss plot, summary.json and the one-line summary a device run collects; then a short
     sample of what the model writes, and where the files are."""
     plot_losses(history, os.path.join(out_dir, 'loss.png'))
+    split = history.get('val_split') or (None, 0)
     summary = dict(val_loss=history['val_loss'][-1] if history['val_loss'] else None,
+                   val_loss_split=split[0], val_split_tokens=split[1],
                    tokens_per_s=stats['tokens_per_s'], peak_mem_gib=peak_mem_gib(),
                    recipe=recipe, optimizer=optimizer, model_size=model_size, model_args=model_args,
                    optimizer_state_bytes=stats['optimizer_state_bytes'],
@@ -755,7 +793,8 @@ def finish(history, stats, model_args, model=None, meta=None):
     with open(os.path.join(out_dir, 'summary.json'), 'w') as f:
         json.dump(summary, f, indent=1)
     log(f"val_loss={summary['val_loss']:.4f} tokens_per_s={summary['tokens_per_s']:.0f} "
-        f"peak_mem_gib={summary['peak_mem_gib']:.3f}")
+        f"peak_mem_gib={summary['peak_mem_gib']:.3f}"
+        + (f" val_loss_split={split[0]:.4f}" if split[0] is not None else ''))
     if model is not None and sample_tokens > 0:
         show_sample(model, meta)
     log(f"loss plot: {os.path.join(out_dir, 'loss.png')}, summary: "
@@ -831,6 +870,8 @@ def main(argv=None):
     if epochs > 1:
         log(f'warning: the run repeats its training data: {max_iters} steps read {epochs:.2f} epochs '
             f"of the {len(data['train']):,}-token train split")
+    if eval_split_tokens > 0:
+        split_batches(len(data['val']), world)  # fail now, not after the run
     raw_model, model_args, optimizer, iter_num, history = init_run(rank, meta)
     log(f"model {model_size} {model_args}: {raw_model.get_num_params() / 1e6:.2f}M non-embedding, "
         f"{raw_model.get_num_params(False) / 1e6:.2f}M total parameters; recipe {recipe}, optimizer {config['optimizer']}")
@@ -855,6 +896,10 @@ def main(argv=None):
             if at_eval and history['val_steps'][-1:] != [iter_num]:
                 eval_and_checkpoint(model, raw_model, optimizer, data, ctx, run)
             if iter_num >= max_iters:
+                if eval_split_tokens > 0:
+                    history['val_split'] = split_loss(model, data['val'], ctx, rank, world)
+                    log(f"step {iter_num}: val loss over the first {history['val_split'][1]:,} "
+                        f"val tokens (the same for every seed) {history['val_split'][0]:.4f}")
                 break
             lr = get_lr(iter_num, warmup, decay_iters)
             for group in optimizer.param_groups:
