@@ -345,9 +345,11 @@ def test_split_eval_is_the_val_splits_first_windows(corpus, tmp_path):
     assert abs(loss.item() - s['val_loss_split']) < 1e-5, (loss.item(), s['val_loss_split'])
     assert f"val_loss_split={s['val_loss_split']:.4f}" in (tmp_path / 'split' / 'train.log').read_text()
 
-def test_split_eval_errors(corpus, tmp_path):
+def test_split_eval_and_compile_mode_errors(corpus, tmp_path):
     with pytest.raises(configurator.ConfigError, match='eval_split_tokens must be 0'):
         run(corpus, tmp_path, '--eval_split_tokens=-1')
+    with pytest.raises(configurator.ConfigError, match="unknown compile_mode 'fast'.*reduce-overhead"):
+        run(corpus, tmp_path, '--compile_mode=fast')
     with pytest.raises(SystemExit, match='eval_split_tokens=100: less than one batch'):
         run(corpus, tmp_path, '--recipe=bf16', '--max_iters=2', '--eval_split_tokens=100')
     assert not (tmp_path / 'ckpt.pt').exists()  # stopped before training

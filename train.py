@@ -75,6 +75,7 @@ min_lr_frac = 0.1         # cosine ends at learning_rate * min_lr_frac
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'bfloat16' if torch.cuda.is_available() else 'float32'  # autocast dtype
 compile = torch.cuda.is_available()
+compile_mode = 'default'  # torch.compile's mode: 'reduce-overhead' replays CUDA graphs (no per-launch host time)
 fsdp = False              # torchrun: shard weights, grads and optimizer states (FSDP2), not DDP
 seed = 1337
 debug_nan_step = -1       # tests: make the loss NaN at this step
@@ -106,6 +107,7 @@ config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 DEFAULTS = {k: globals()[k] for k in config_keys}
 HERE = os.path.dirname(os.path.abspath(__file__))
+COMPILE_MODES = ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs')
 _log_path = None  # out_dir/train.log on the master rank, set in main()
 _overrides = {}   # the keys that config files and --key=value set, set in setup()
 _resumed_step = None  # the step of the out_dir/ckpt.pt this run resumed from, set in init_run()
@@ -134,6 +136,8 @@ def check_config():
     except ValueError as e:
         raise configurator.ConfigError(f'--optimizer={optimizer} with --ns_precision={ns_precision!r} '
                                        f'--optimizer_states={optimizer_states!r}: {e}')
+    if compile_mode not in COMPILE_MODES:
+        raise configurator.ConfigError(f"unknown compile_mode {compile_mode!r}; choose one of {', '.join(COMPILE_MODES)}")
     if eval_split_tokens < 0:
         raise configurator.ConfigError(f'eval_split_tokens must be 0 (none) or a token count, got {eval_split_tokens}')
     if keep_checkpoints < 1:
@@ -875,7 +879,7 @@ def main(argv=None):
     raw_model, model_args, optimizer, iter_num, history = init_run(rank, meta)
     log(f"model {model_size} {model_args}: {raw_model.get_num_params() / 1e6:.2f}M non-embedding, "
         f"{raw_model.get_num_params(False) / 1e6:.2f}M total parameters; recipe {recipe}, optimizer {config['optimizer']}")
-    model = torch.compile(raw_model) if compile else raw_model
+    model = torch.compile(raw_model, mode=compile_mode) if compile else raw_model
     if world > 1 and not fsdp:  # FSDP2 wrapped raw_model in place in init_run
         ids = [torch.cuda.current_device()] if device.startswith('cuda') else None
         model = DDP(model, device_ids=ids)
