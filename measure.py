@@ -197,6 +197,7 @@ def section_states(args):
     print(f"regression, FP32 AdamW: {[f'{v:.4e}' for v in fp32_reg]}")
     return rows
 
+
 # ---------------------------------------------------------------------------------------------
 # ns: Newton-Schulz in FP4 (optim.py, SPEC 8.2): quality per design at every 2-D block shape of the
 # 30m and 1b models (runs on a CPU too)
