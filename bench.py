@@ -3,6 +3,7 @@
 Each section is one function that returns rows (dicts); every row is printed in a table and the
 section's rows are written to results/<gpu-name-slug>/bench_<section>.json. Times are medians of
 CUDA-event timings after warm-up. Bandwidth counts the bytes a kernel must read plus write once.
+The accuracy measurements that chose numerical designs (ns, states, lora_rank) are in measure.py.
 """
 import argparse
 import json
@@ -41,6 +42,10 @@ def print_table(rows, cols):
     print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
     for r in rows:
         print("  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(cols, widths)))
+
+
+def print_table_row(row, cols):
+    print("  ".join(_fmt(row.get(c)) for c in cols), flush=True)
 
 
 def _fmt(v):
@@ -725,177 +730,6 @@ def section_optim(args):
 
 
 # ---------------------------------------------------------------------------------------------
-# states: the NVFP4 optimizer-state format, decided by measurement (SPEC 8.1; runs on a CPU)
-
-# (hadamard, mean of sqrt(v), rounding (m, v)) candidates; the first is optim's default
-STATE_FORMATS = [(0, "none", ("sr", "rn")), (0, "none", ("rn", "rn")), (0, "none", ("sr", "sr")), (0, "block", ("sr", "rn")),
-                 (16, "block", ("sr", "rn")), (128, "block", ("sr", "sr")), (128, "block", ("rn", "rn")),
-                 (128, "none", ("sr", "sr"))]
-
-
-def _heavy_moments(shape=(256, 512), steps=50, seed=0):
-    """Exact AdamW m, v after Student-t(2) gradients whose rows span orders of magnitude."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = torch.exp(2.0 * torch.randn(shape[0], 1, generator=gen))
-    m, v = torch.zeros(shape), torch.zeros(shape)
-    for _ in range(steps):
-        g = torch.randn(shape, generator=gen) / torch.sqrt(torch.rand(shape, generator=gen).log().neg()) * rows * 1e-4
-        m.lerp_(g, 0.1)
-        v.mul_(0.95).addcmul_(g, g, value=0.05)
-    return [("heavy-tailed", m, v)]
-
-
-def _lm_batches(vocab=2048, batch=16, seq=64):
-    """data/pycode tokens mapped to their `vocab` - 1 most frequent ids (+ one for the rest): real
-    text statistics at a CPU-sized lm_head; None when the corpus is not prepared."""
-    import numpy as np
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "pycode")
-    if not os.path.exists(os.path.join(path, "train.bin")):
-        return None
-    data = {s: np.asarray(np.memmap(os.path.join(path, f"{s}.bin"), dtype=np.uint32, mode="r")[:2_000_000])
-            for s in ("train", "val")}
-    ids, counts = np.unique(data["train"], return_counts=True)
-    remap = np.full(int(max(d.max() for d in data.values())) + 1, vocab - 1, dtype=np.int64)
-    remap[ids[np.argsort(-counts)][: vocab - 1]] = np.arange(vocab - 1)
-    data = {s: remap[d] for s, d in data.items()}
-
-    def get(split, key, b=batch):
-        ix = np.random.default_rng(key).integers(0, len(data[split]) - seq - 1, size=b)
-        x = torch.from_numpy(np.stack([data[split][i:i + seq + 1] for i in ix]))
-        return x[:, :-1], x[:, 1:]
-    return get
-
-
-def _tiny_lm_run(get, steps, seed, lr, **opt_kw):
-    """The tiny Llama (vocab 2048) trained `steps` steps; returns the model's AdamW and val loss."""
-    import math
-    import model as llama
-    import optim
-    torch.manual_seed(seed)
-    net = llama.GPT(llama.config_for("tiny", vocab_size=2048, block_size=64))
-    groups = [dict(params=[p for p in net.parameters() if p.dim() >= 2]),
-              dict(params=[p for p in net.parameters() if p.dim() < 2], weight_decay=0.0)]
-    opt = optim.AdamW(groups, lr=lr, seed=seed, **opt_kw)
-    warm = steps // 10
-    for it in range(steps):
-        frac = (it - warm) / (steps - warm)
-        for g in opt.param_groups:
-            g["lr"] = lr * (it + 1) / (warm + 1) if it < warm else lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
-        _, loss = net(*get("train", [seed, it]))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-    with torch.no_grad():
-        val = sum(net(*get("val", [99, k], 32))[1].item() for k in range(16)) / 16
-    return net, opt, val
-
-
-def _format_errors(sets, fmt):
-    """One quantization of each (m, v): relative MSE of v, the share of v > 0 rebuilt as 0, and the
-    relative MSE of the update m / (sqrt(v) + eps) from both rebuilt states (ratio clamp applied)."""
-    import optim
-    h, mean, (rm, rv) = fmt
-    c = optim.ratio_bound((0.9, 0.95), 1000)
-    acc = dict(v=0.0, vd=0.0, z=0.0, n=0.0, u=0.0, ud=0.0)
-    for _, m, v in sets:
-        mh = optim.dequantize_state(optim.quantize_state(m, "signed", rounding=rm, hadamard=h)).double()
-        vh = optim.dequantize_state(optim.quantize_state(v, "sqrt", rounding=rv, hadamard=h, mean=mean)).double()
-        m, v = m.double(), v.double()
-        u, sh = m / (v.sqrt() + 1e-8), vh.sqrt()
-        uh = torch.where(mh.abs() > c * sh, c * sh * mh.sign(), mh) / (sh + 1e-8)
-        for k, val in (("v", ((vh - v) ** 2).sum()), ("vd", (v ** 2).sum()), ("z", ((v > 0) & (vh <= 0)).sum()),
-                       ("n", (v > 0).sum()), ("u", ((uh - u) ** 2).sum()), ("ud", (u ** 2).sum())):
-            acc[k] += float(val)
-    return dict(v_rel_mse=acc["v"] / acc["vd"], v_zeroed=acc["z"] / acc["n"], update_rel_mse=acc["u"] / acc["ud"])
-
-
-def _v_direct_errors(sets):
-    """NVFP4 of v itself (no square root), the baseline of SPEC 8.1's 60% claim."""
-    num = den = z = n = 0.0
-    for _, _, v in sets:
-        vh = fp4.dequantize(fp4.quantize(v.reshape(-1, v.shape[-1]), "nvfp4")).clamp(min=0).view(v.shape).double()
-        num, den = num + float(((vh - v.double()) ** 2).sum()), den + float((v.double() ** 2).sum())
-        z, n = z + float(((v > 0) & (vh <= 0)).sum()), n + float((v > 0).sum())
-    return dict(v_rel_mse=num / den, v_zeroed=z / n)
-
-
-def _ema_off(kind, fmt, steps=60, tail=20):
-    """Share of elements whose EMA, re-quantized every step, averages > 20% off the exact EMA's over
-    the last `tail` steps: m through a sign flip (from -target), v decaying from 4 target."""
-    import optim
-    h, mean, (rm, rv) = fmt
-    gen = torch.Generator().manual_seed(0)
-    target = torch.randn(64, 256, generator=gen) * torch.exp(torch.randn(64, 1, generator=gen))
-    b, start, kw = (0.9, -1.0, dict(rounding=rm, hadamard=h)) if kind == "signed" else \
-        (0.95, 4.0, dict(rounding=rv, hadamard=h, mean=mean))
-    target = target if kind == "signed" else target * target
-    exact = start * target
-    s, avg = optim.quantize_state(exact, kind, seed=0, **kw), torch.zeros_like(exact, dtype=torch.float64)
-    for t in range(steps):
-        exact = b * exact + (1 - b) * target
-        s = optim.quantize_state(b * optim.dequantize_state(s) + (1 - b) * target, kind, seed=t + 1, **kw)
-        if t >= steps - tail:
-            avg += optim.dequantize_state(s).double() / tail
-    return float(((avg - exact.double()).abs() > 0.2 * exact.double().abs()).float().mean())
-
-
-def regression_loss(seed, steps=300, lr=3e-2, **opt_kw):
-    """Least squares, inputs with log-normal channel scales (LLM activations' outlier channels):
-    the final full-batch loss (noise floor 1e-4). test_optim.py tests it too."""
-    import math
-    import optim
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(4096, 256, generator=gen) * torch.exp(torch.randn(1, 256, generator=gen))
-    y = x @ (torch.randn(64, 256, generator=gen) / 16).t() + 0.01 * torch.randn(4096, 64, generator=gen)
-    w, bias = torch.nn.Parameter(torch.zeros(64, 256)), torch.nn.Parameter(torch.zeros(64))
-    opt = optim.AdamW([w, bias], lr=lr, weight_decay=0.0, **opt_kw)
-    for it in range(steps):
-        for g in opt.param_groups:
-            g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * it / steps))
-        idx = torch.randint(0, 4096, (256,), generator=gen)
-        ((x[idx] @ w.t() + bias - y[idx]) ** 2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-    with torch.no_grad():
-        return float(((x @ w.t() + bias - y) ** 2).mean())
-
-
-def section_states(args):
-    """Rows per candidate format: single-shot errors on heavy-tailed and real (tiny LM) moments,
-    EMA drift, a regression's final loss against FP32 AdamW's, and (--states-lm) the tiny LM's
-    val loss: what optim's defaults (STATE_HADAMARD, STATE_MEAN, STATE_ROUNDING) were chosen by."""
-    import math
-    get = _lm_batches()
-    sets = {"heavy-tailed": _heavy_moments()}
-    if get is None:
-        print("  data/pycode not prepared: no tiny-LM moments (python data/pycode/prepare.py)")
-    else:  # FP32 AdamW's moments after 200 steps of the tiny LM on real text
-        _, opt, _ = _tiny_lm_run(get, 200, 0, 3e-3, state="fp32")
-        sets["tiny LM"] = [(None, st["exp_avg"], st["exp_avg_sq"]) for p, st in opt.state.items() if p.dim() == 2]
-    fp32_reg = [regression_loss(s) for s in range(3)]
-    lm_fp32 = [_tiny_lm_run(get, args.states_lm, s, 1.5e-3, state="fp32")[2] for s in (0, 1)] if get and args.states_lm else None
-    rows = [dict(format=f"v direct (NVFP4 of v), data {name}", **_v_direct_errors(s)) for name, s in sets.items()]
-    for fmt in STATE_FORMATS:
-        h, mean, rnd = fmt
-        row = dict(format=f"H{h} mean {mean} m {rnd[0]} v {rnd[1]}")
-        for name, s in sets.items():
-            row.update({f"{k} ({name})": val for k, val in _format_errors(s, fmt).items()})
-        row.update(m_flip_off=_ema_off("signed", fmt), v_decay_off=_ema_off("sqrt", fmt))
-        reg = [regression_loss(s, state="nvfp4", hadamard=h, mean=mean, rounding=rnd) for s in range(3)]
-        row["regression_vs_fp32"] = math.exp(sum(math.log(a / b) for a, b in zip(reg, fp32_reg)) / 3)
-        if lm_fp32:
-            lm = [_tiny_lm_run(get, args.states_lm, s, 1.5e-3, state="nvfp4", hadamard=h, mean=mean, rounding=rnd)[2]
-                  for s in (0, 1)]
-            row.update(lm_val=[round(v, 4) for v in lm], lm_val_fp32=[round(v, 4) for v in lm_fp32])
-        rows.append(row)
-        print(f"  {row['format']}: done")
-    print_table(rows, list(dict.fromkeys(k for r in rows for k in r)))
-    print(f"regression, FP32 AdamW: {[f'{v:.4e}' for v in fp32_reg]}")
-    return rows
-
-
-# ---------------------------------------------------------------------------------------------
 # attention: FP4 attention (attention.py) forward + backward against SDPA's BF16 backends, one run
 
 ATTN_SHAPE = (8, 16, 2048, 128)  # B, H, T, D: the 1b model's attention, causal
@@ -1059,10 +893,9 @@ def section_overhead(args):
 
 
 # ---------------------------------------------------------------------------------------------
-# ns: Newton-Schulz in FP4 (optim.py, SPEC 8.2): quality per design at every 2-D block shape of the
-# 30m and 1b models (runs on a CPU too), and GPU time per optimizer step of the 1B model
+# ns_time: Newton-Schulz in FP4 (optim.py, SPEC 8.2): GPU time per optimizer step of the 1B model
+# (its quality per design, on a CPU too: python measure.py --sections ns)
 
-NS_PRECISIONS = [("fp32", "-"), ("bf16", "-")] + [("nvfp4", d) for d in ("naive", "residual", "bf16_tail", "compensated_tail")]
 FP4_SPEEDUP = 4.0  # Blackwell: dense NVFP4 tensor-core rate / dense BF16 rate (B200 and RTX 5090 spec sheets)
 
 
@@ -1073,96 +906,6 @@ def ns_shapes(size):
     hs = c.n_embd // c.n_head
     return {"qkv": ((c.n_head + 2 * c.n_kv_head) * hs, c.n_embd), "o": (c.n_embd, c.n_embd),
             "gate_up": (2 * c.ffn_hidden, c.n_embd), "down": (c.n_embd, c.ffn_hidden)}
-
-
-def power_law_matrix(shape, alpha, seed=0):
-    """U diag(i^-alpha) V^T with Haar-random U, V (FP64): a decaying spectrum of known SVD."""
-    g = torch.Generator().manual_seed(seed)
-    m, n = shape
-    k = min(m, n)
-    u, _ = torch.linalg.qr(torch.randn(m, k, generator=g, dtype=torch.float64))
-    v, _ = torch.linalg.qr(torch.randn(n, k, generator=g, dtype=torch.float64))
-    return (u * torch.arange(1, k + 1, dtype=torch.float64) ** -alpha) @ v.T
-
-
-def momentum_matrices(path):
-    """{shape: a middle layer's momentum buffer} from a train.py checkpoint of a Muon/ROOT run."""
-    ck = torch.load(path, map_location="cpu", weights_only=False)
-    sd = ck["optimizer"]
-    parts = sd["parts"] if "parts" in sd else [sd]
-    found = {}
-    for part in parts:
-        for st in part["state"].values():
-            if "momentum_buffer" in st and st["momentum_buffer"].ndim == 2:
-                found.setdefault(tuple(st["momentum_buffer"].shape), []).append(st["momentum_buffer"].float())
-    return {shape: bufs[len(bufs) // 2] for shape, bufs in found.items()}
-
-
-def ns_quality(G, P, abc, precision, design):
-    """cosine of newton_schulz(G) to the exact polar factor P, its singular values, GEMM FLOP shares."""
-    import optim
-    stats = {}
-    X = optim.newton_schulz(G, 5, abc, precision, design if design != "-" else "compensated_tail", stats).double()
-    small = X if X.shape[0] <= X.shape[1] else X.T
-    s = torch.linalg.eigvalsh(small @ small.T).clamp(min=0).sqrt()  # singular values; faster than svdvals
-    total = sum(stats.values())
-    return dict(cos=round(float((X * P).sum() / (X.norm() * P.norm())), 4),
-                sv_min=round(float(s.min()), 3), sv_med=round(float(s.median()), 3), sv_max=round(float(s.max()), 3),
-                fp4_share=round(stats.get("nvfp4", 0) / total, 3),
-                gemm_flops=total,
-                _cost=stats.get("nvfp4", 0) / FP4_SPEEDUP + stats.get("bf16", 0) + stats.get("fp32", 0))
-
-
-def _ns_sources(shape, momenta):
-    """(source name, matrix, coefficients key) per input: a power-law spectrum (s_i = 1/i), a
-    Gaussian matrix (Marchenko-Pastur spectrum: flat, no dominant direction, the hard case), and
-    each run's momentum as Muon sees it (raw, Muon's coefficients) and as ROOT does
-    (soft-thresholded, ROOT's coefficients)."""
-    import optim
-    yield "power1", power_law_matrix(shape, 1.0), "root"
-    yield "gauss", torch.randn(*shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64), "root"
-    for tag, mats in momenta.items():
-        if shape in mats:
-            yield f"{tag}", mats[shape], "muon"
-            yield f"{tag}+soft", optim.soft_threshold(mats[shape], 0.9), "root"
-
-
-def section_ns(args):
-    import optim
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    momenta = {os.path.basename(os.path.dirname(p)) or p: momentum_matrices(p) for p in args.momentum}
-    rows = []
-    for size in args.ns_sizes.split(","):
-        for name, shape in ns_shapes(size).items():
-            for source, G, coef in _ns_sources(shape, momenta):
-                G = G.to(device)
-                u, _, vh = torch.linalg.svd(G.double(), full_matrices=False)
-                P = u @ vh  # the exact polar factor U V^T
-                abc = optim.ns_coefficients(shape, coef)
-                base = None
-                for precision, design in NS_PRECISIONS:
-                    t = time.time()
-                    r = ns_quality(G, P, abc, precision, design)
-                    base = base or r
-                    rows.append(dict(size=size, matrix=name, shape=f"{shape[0]}x{shape[1]}", source=source,
-                                     coef="muon" if abc == optim.MUON_COEFFICIENTS else "root",
-                                     precision=precision, design=design, **{k: v for k, v in r.items() if not k.startswith("_")},
-                                     d_cos_vs_bf16=None, cost_vs_bf16=round(r["_cost"] / base["_cost"], 3), s=round(time.time() - t, 1)))
-                    print_table_row(rows[-1], NS_COLS)
-                bf16 = next(r for r in rows[-len(NS_PRECISIONS):] if r["precision"] == "bf16")
-                for r in rows[-len(NS_PRECISIONS):]:
-                    r["d_cos_vs_bf16"] = round(r["cos"] - bf16["cos"], 4)
-    print()
-    print_table(rows, NS_COLS)
-    return rows
-
-
-NS_COLS = ["size", "matrix", "shape", "source", "coef", "precision", "design", "cos", "d_cos_vs_bf16",
-           "sv_min", "sv_med", "sv_max", "fp4_share", "cost_vs_bf16", "s"]
-
-
-def print_table_row(row, cols):
-    print("  ".join(_fmt(row.get(c)) for c in cols), flush=True)
 
 
 def section_ns_time(args):
@@ -1207,9 +950,10 @@ def llama_layers(size):
 
 
 SECTIONS = {"overhead": section_overhead, "profile": section_profile, "kernels": section_kernels, "accum": section_accum, "linear": section_linear, "step": section_step,
-            "ns": section_ns, "ns_time": section_ns_time, "attention": section_attention,
-            "optim": section_optim, "states": section_states, "saved": section_saved}
-CPU_SECTIONS = {"ns", "states", "saved"}  # sections that also run without a GPU (numerics only)
+            "ns_time": section_ns_time, "attention": section_attention,
+            "optim": section_optim, "saved": section_saved}
+CPU_SECTIONS = {"saved"}  # sections that also run without a GPU
+MOVED = {"ns": "measure.py", "states": "measure.py"}  # accuracy sections that live in measure.py now
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1307,32 +1051,37 @@ def main():
     ap.add_argument("--fsdp-iters", type=int, default=20, help="fsdp: train.py --max_iters")
     ap.add_argument("--fsdp-recipe", default="quartet", help="fsdp: comma list of train.py recipes")
     ap.add_argument("--fsdp-compile", default="True", choices=("True", "False"), help="fsdp: train.py --compile")
-    ap.add_argument("--ns-sizes", default="30m,1b", help="ns: model.SIZES names whose block shapes to test")
-    ap.add_argument("--momentum", nargs="*", default=[], metavar="CKPT",
-                    help="ns: train.py checkpoints of Muon/ROOT runs whose momentum matrices to test")
     ap.add_argument("--step-optimizers", default="adamw", help="step: comma list of optim.OPTIMIZERS (each variant with each)")
     ap.add_argument("--step-loss-chunk", default="0", help="step: comma list of GPTConfig.loss_chunk values (0: whole logits)")
     ap.add_argument("--step-recompute", default="none", help="step, saved: comma list of GPTConfig.recompute values (none, mlp)")
     ap.add_argument("--saved-compiled", action="store_true", help="saved: also the compiled forward's total (compiles each row)")
     ap.add_argument("--step-saved", action="store_true", help="step: also count each row's saved bytes, compiled and eager (more forwards)")
     ap.add_argument("--optim-reps", type=int, default=5, help="optim: timed optimizer steps")
-    ap.add_argument("--states-lm", type=int, default=0, help="states: also train the tiny LM this many steps per format and seed (CPU: ~2 min a run)")
     ap.add_argument("--compare", nargs="+", default=None, metavar="SUMMARY_JSON",
                     help="no benchmark: plot these train.py summaries into one PNG (--out names it)")
-    args = ap.parse_args()
+    args, unknown = ap.parse_known_args()  # a moved section's options: its message first, below
+    moved = [s for s in args.sections.split(",") if s in MOVED]
+    if moved:
+        raise SystemExit(f"bench.py: --sections {','.join(moved)} moved to measure.py (the accuracy measurements "
+                         f"behind the design choices): python measure.py --sections {','.join(moved)}")
+    if unknown:
+        ap.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.compare:
         return compare_runs(args.compare, args.out or "loss_curves.png")
     if not torch.cuda.is_available() and set(args.sections.split(",")) - CPU_SECTIONS:
         raise SystemExit(f"bench.py needs a CUDA device (without one, only --sections {','.join(CPU_SECTIONS)})")
     out = args.out or os.path.join("results", gpu_slug())
     os.makedirs(out, exist_ok=True)
-    meta = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__, backends=fp4.backends(),
-                code=code_version(), env=switches(),
-                time=time.strftime("%Y-%m-%d %H:%M:%S"))
-    args.out_dir, args.meta = out, meta
+    args.out_dir, args.meta = out, run_meta()
     for name in args.sections.split(","):
         print(f"\n== {name} ==")
         save_rows(args, name, {**SECTIONS, **SECTIONS_MULTI_GPU}[name](args))
+
+
+def run_meta():
+    """What a result file records of the run: the device, versions, backends, commit, switches, time."""
+    return dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
+                backends=fp4.backends(), code=code_version(), env=switches(), time=time.strftime("%Y-%m-%d %H:%M:%S"))
 
 
 def code_version():
@@ -1351,10 +1100,10 @@ def switches():
     return {k: os.environ[k] for k in SWITCHES if k in os.environ}
 
 
-def save_rows(args, name, rows):
-    """results/<gpu>/bench_<name>.json: the run's meta and the section's rows."""
+def save_rows(args, name, rows, path=None):
+    """results/<gpu>/bench_<name>.json (or path): the run's meta and the section's rows."""
     args.meta["kernel_compiler"] = dict(kernels.COMPILER)
-    with open(os.path.join(args.out_dir, f"bench_{name}.json"), "w") as f:
+    with open(path or os.path.join(args.out_dir, f"bench_{name}.json"), "w") as f:
         json.dump(dict(meta=args.meta, rows=rows), f, indent=1)
 
 

@@ -35,7 +35,7 @@ import kernels
 #                q = NVFP4((s - mu) H)
 # H is the blockwise Hadamard of fp4.hadamard (symmetric, H H = I up to FP32 rounding). The mean
 # per 128-block is a halving-tree sum (fp4._tree_sum) times 1/128, as a kernel adds it.
-# Defaults decided by measurement (README "Optimizer states in FP4 (optim.py)"; python bench.py
+# Defaults decided by measurement (README "Optimizer states in FP4 (optim.py)"; python measure.py
 # --sections states): no Hadamard and no mean (both cost update accuracy: Adam divides each element
 # by its own sqrt(v), and a rotation or a mean spreads a block's error onto its small elements),
 # stochastic rounding for m (RN stalls an EMA), round to nearest for sqrt(v) (SR's noise, squared,
@@ -458,7 +458,7 @@ def _adamw_nvfp4_kernel(p, st, group, c, seeds):
 #
 # precision='nvfp4' runs the GEMMs on NVFP4 operands (fp4.quantize along the contraction dim,
 # fp4.mm). Casting the three GEMMs of every step diverges (SPEC 8.2); the measurements that chose
-# the design below are in README "Muon and ROOT with FP4 Newton-Schulz" (bench.py --sections ns).
+# the design below are in README "Muon and ROOT with FP4 Newton-Schulz" (measure.py --sections ns).
 # What made it accurate, one step at a time:
 # - residual form: quantize D = A - mu I (mu = tr(A) / m) instead of A, and B' = B - beta I
 #   instead of B, with X_new = (a + beta) X + B' X. A and B are dominated by their diagonal once X

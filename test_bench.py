@@ -133,3 +133,12 @@ def test_attention_does_not_keep_qkvs_output(variant):
     # q, k, v, out (M, C) each, and apply_rope's BF16 cos and sin (T, hs / 2), cast for q and for k
     t, hs = ARGS['seq'], C // cfg.n_head
     assert saved(variant)['attn']['bf16_bytes'] == LAYERS * (4 * M * C * 2 + 4 * t * hs // 2 * 2)
+
+
+@pytest.mark.parametrize('argv', [['--sections', 'ns'], ['--sections', 'saved,states', '--states-lm', '300']])
+def test_moved_sections_point_to_measure(monkeypatch, argv):
+    """ns and states live in measure.py now: bench.py says so (before complaining about their options)."""
+    monkeypatch.setattr('sys.argv', ['bench.py'] + argv)
+    moved = argv[1].replace('saved,', '')
+    with pytest.raises(SystemExit, match=f'moved to measure.py .*: python measure.py --sections {moved}$'):
+        bench.main()

@@ -8,7 +8,7 @@ import torch
 import fp4
 import kernels
 import optim
-from bench import regression_loss
+from measure import regression_loss
 from test_fp4 import assert_same, first_mismatches
 
 # ---------------------------------------------------------------------------------------------
@@ -261,7 +261,7 @@ def test_stagnation_round_to_nearest_against_stochastic():
 
 
 def test_regression_reaches_fp32_loss():
-    """bench.regression_loss (least squares, inputs with log-normal channel scales, minibatch AdamW
+    """measure.regression_loss (least squares, inputs with log-normal channel scales, minibatch AdamW
     with a cosine lr): NVFP4 states end within 25% of FP32 AdamW's loss (measured 1.12x for the
     default format; SPEC's Hadamard-128 + mean + SR format ends ~15x above, printed)."""
     fp32 = regression_loss(0)
@@ -868,7 +868,7 @@ def test_ns_bf16_tracks_fp32():
 
 
 # nvfp4 quality bound, on a 128 x 384 Gaussian matrix (Marchenko-Pastur spectrum, the hard case:
-# no dominant direction) and on a power-law spectrum. Measured (bench.py --sections ns, README):
+# no dominant direction) and on a power-law spectrum. Measured (measure.py --sections ns, README):
 # compensated_tail within 0.005 of bf16 on every 30m / 1b shape; here, bound 0.01 (the issue's
 # goal). The naive cast must fail the same bound, or the test could not tell the designs apart.
 def nv_inputs():
