@@ -647,7 +647,7 @@ def gap_rows(records):
             losses = val_losses(runs, key)
             any_run = next(iter(runs.values()))
             ref = reference_of(group, groups)
-            row = dict(size=size, tokens=tokens, group=group, ref=ref, seeds=sorted(losses),
+            row = dict(size=size, tokens=tokens, group=group, ref=ref, seeds=sorted(losses), n_params=any_run['n_params'],
                        diverged=sorted(s for s, r in runs.items() if r['status'] == 'diverged'),
                        tokens_per_param=tokens / any_run['n_params'], epochs=any_run['epochs'],
                        mean=statistics.fmean(losses.values()) if losses else math.nan,
@@ -812,6 +812,19 @@ def plot_law(fit, records, path):
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
+def published_law_gaps(rows):
+    """What Quartet's own law (its C4 fit with its effN, effD; SPEC.md 6) predicts for each measured
+    cell of a recipe it has factors for: the gap at this N and D, beside the measured one."""
+    out = []
+    for r in rows:
+        if r['group'] in QUARTET_EFF and r.get('gap'):
+            n, d = r['n_params'], r['tokens']
+            pred = law_loss(n, d, QUARTET_LAW, *QUARTET_EFF[r['group']]) / law_loss(n, d, QUARTET_LAW) - 1
+            out.append(f"{r['group']} at {r['size']}, {tokens_label(d)}: {100 * pred:+.2f}% predicted, "
+                       f"{fmt_gap(r['gap'])[0]} measured {fmt_gap(r['gap'])[1]}")
+    return ("Quartet's published law (C4 constants, effN 0.658, effD 0.822) at these N and D: "
+            + ('; '.join(out) if out else 'no quartet cell with a gap yet') + '.')
+
 def report(directory, exponents='auto', n_boot=200, log=print):
     """Write directory/report.md (the tables the README includes), report.json and the PNGs."""
     records = load_records(directory)
@@ -849,7 +862,7 @@ def report(directory, exponents='auto', n_boot=200, log=print):
         md += [f"| {r['size']} | {tokens_label(r['tokens'])} | {r['group']} | "
                f"{' | '.join(fmt_gap(r['vs_base']))} |" for r in variants]
         md.append('')
-    md += [f'Published: {PUBLISHED}.', '',
+    md += [f'Published: {PUBLISHED}.', '', published_law_gaps(rows), '',
            'Eval noise beside seed noise (bf16): ' + ('; '.join(noise) or 'needs >= 2 seeds') + '.', '',
            law_md, '', 'Plots: ' + ', '.join(f'`{p}`' for p in pngs) + '.',
            f"Code: {', '.join(c[:10] for c in commits)}; corpus (train.bin SHA-1): "

@@ -167,6 +167,9 @@ def test_report_fits_the_law_from_run_records(tmp_path):
     md = (tmp_path / 'report.md').read_text()
     assert "exponents fixed to Quartet's BF16 fit" in md and '| quartet | 0.' in md
     assert 'Variants against their own recipe' in md and '| 100m | 25M | quartet+x |' in md
+    n, law = study.n_params('30m', 512), study.QUARTET_LAW  # the published law's own prediction
+    pred = study.law_loss(n, 12.5e6, law, 0.658, 0.822) / study.law_loss(n, 12.5e6, law) - 1
+    assert f'quartet at 30m, 12.5M: {100 * pred:+.2f}% predicted' in md and 0.01 < pred < 0.05
     for png in ('law.png', 'curves_30m_12.5M.png', 'curves_100m_25M.png'):
         assert (tmp_path / png).stat().st_size > 10_000
 
