@@ -578,20 +578,35 @@ __device__ __forceinline__ void quant_group_nv(float (&x)[G], const QParams& p, 
     if constexpr (RND == ROUND_EDEN) {  // MS-EDEN (fp4._eden_scales): per 128-group correction into the scales
 #pragma unroll
       for (int gi = 0; gi < G / 128; gi++) {
-        float q[128];
-#pragma unroll
-        for (int j = 0; j < 128; j++) {
-          u32 c = (cw[(128 * gi + j) / 8] >> (4 * (j % 8))) & 15u;
-          q[j] = __fmul_rn(__fmul_rn(e2m1_dec(c), e4m3_dec(sc[(128 * gi + j) / 16])), g);
-        }
+        // num = tree_sum<128>(x x), den = tree_sum<128>(x q): the halving tree's first two levels
+        // are taken at once (u[j] = (p[j] + p[j+64]) + (p[j+32] + p[j+96]), the same additions in
+        // the same order), and q (the RN value, code * scale * g) is decoded where it is used: 32
+        // partial sums live instead of 128 values of q and 64 sums, which spilled (ptxas, sm_90a).
         const float* xg = x + 128 * gi;
-        float t[64];
+        const u32* cg = cw + 16 * gi;
+        const u32* sg = sc + 8 * gi;
+        float u[32];
 #pragma unroll
-        for (int j = 0; j < 64; j++) t[j] = __fadd_rn(__fmul_rn(xg[j], xg[j]), __fmul_rn(xg[j + 64], xg[j + 64]));
-        float num = tree_sum<64>(t);
+        for (int j = 0; j < 32; j++) {
+          const float a = __fadd_rn(__fmul_rn(xg[j], xg[j]), __fmul_rn(xg[j + 64], xg[j + 64]));
+          const float b = __fadd_rn(__fmul_rn(xg[j + 32], xg[j + 32]), __fmul_rn(xg[j + 96], xg[j + 96]));
+          u[j] = __fadd_rn(a, b);
+        }
+        float num = tree_sum<32>(u);
 #pragma unroll
-        for (int j = 0; j < 64; j++) t[j] = __fadd_rn(__fmul_rn(xg[j], q[j]), __fmul_rn(xg[j + 64], q[j + 64]));
-        float den = tree_sum<64>(t);
+        for (int j = 0; j < 32; j++) {
+          float q[4];
+#pragma unroll
+          for (int k = 0; k < 4; k++) {
+            const int e = j + 32 * k;
+            const u32 c = (cg[e / 8] >> (4 * (e % 8))) & 15u;
+            q[k] = __fmul_rn(__fmul_rn(e2m1_dec(c), e4m3_dec(sg[e / 16])), g);
+          }
+          const float a = __fadd_rn(__fmul_rn(xg[j], q[0]), __fmul_rn(xg[j + 64], q[2]));
+          const float b = __fadd_rn(__fmul_rn(xg[j + 32], q[1]), __fmul_rn(xg[j + 96], q[3]));
+          u[j] = __fadd_rn(a, b);
+        }
+        float den = tree_sum<32>(u);
         float c = __fdiv_rn(num, den);
         if (!(fabsf(c) <= 3.402823466e+38f && den > 0.0f)) c = 1.0f;
         const u64 nb = p.Kout / 16;

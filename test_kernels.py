@@ -455,7 +455,8 @@ static bool any_sync(bool p) { pslot[t_lane] = p; barrier(); bool r = pslot[0] |
 
 #include KERNELS_CU_PATH
 
-struct Job { int R, K, rule, rnd, H, has_signs; unsigned s0, seed; float hs; const float* x; u8 *codes, *scales, *mask; };
+struct Job { int R, K, rule, rnd, H, has_signs; unsigned s0, seed; float hs; const float* x; u8 *codes, *scales, *mask;
+             unsigned s1 = 0, s2 = 0, s3 = 0; };
 
 template <int RULE, int RND>
 static void run_quad(const Job& j) {
@@ -491,6 +492,28 @@ static void run_t1(const Job& j) {
     }
 }
 
+// NVFP4, one thread a G-group (quant_group, as quant_rows runs it): the tensor-amax pre-pass over
+// every group, g = amax / (6 * 448) as kernels.py divides (1 if 0), then the quantize pass.
+template <int G, int RULE, int RND>
+static void run_nv(const Job& j) {
+  QParams p;
+  u32 amax = 0;
+  float g = 0.0f;
+  p.H = j.H; p.hs = j.hs; p.seed = j.seed; p.key0 = hash_key(j.seed, 0);
+  p.codes = j.codes; p.scales = j.scales; p.mask = nullptr; p.Kout = j.K; p.g = &g; p.amax = &amax; p.tiles = nullptr;
+  load_signs(p, j.has_signs, j.s0, j.s1, j.s2, j.s3);
+  for (int pass = 1; pass >= 0; pass--) {
+    p.pass = pass;
+    if (pass == 0) { float a = __uint_as_float(amax); g = a > 0.0f ? a / (6.0f * 448.0f) : 1.0f; }
+    for (int r = 0; r < j.R; r++)
+      for (int c = 0; c < j.K; c += G) {
+        float v[G];
+        for (int i = 0; i < G; i++) v[i] = j.x[(uint64_t)r * j.K + c + i];
+        quant_group<G, true, RULE, RND>(v, p, r, c);
+      }
+  }
+}
+
 int main(int argc, char** argv) {
   if (argc < 12) { fprintf(stderr, "usage: mode R K rule rnd H has_signs s0 seed hs dir\n"); return 2; }
   Job j;
@@ -498,14 +521,22 @@ int main(int argc, char** argv) {
   j.R = atoi(argv[2]); j.K = atoi(argv[3]); j.rule = atoi(argv[4]); j.rnd = atoi(argv[5]); j.H = atoi(argv[6]);
   j.has_signs = atoi(argv[7]); j.s0 = strtoul(argv[8], 0, 0); j.seed = strtoul(argv[9], 0, 0); j.hs = strtof(argv[10], 0);
   std::string dir = argv[11];
+  if (argc >= 15) { j.s1 = strtoul(argv[12], 0, 0); j.s2 = strtoul(argv[13], 0, 0); j.s3 = strtoul(argv[14], 0, 0); }
   size_t n = (size_t)j.R * j.K;
   std::vector<float> x(n);
   FILE* f = fopen((dir + "/x.bin").c_str(), "rb"); fread(x.data(), 4, n, f); fclose(f);
-  std::vector<u8> codes(n / 2, 0xAA), scales(n / 32, 0xAA), mask(n / 8, 0xAA);
+  bool nv = !strcmp(mode, "nv");
+  std::vector<u8> codes(n / 2, 0xAA), scales(n / (nv ? 16 : 32), 0xAA), mask(n / 8, 0xAA);
   j.x = x.data(); j.codes = codes.data(); j.scales = scales.data(); j.mask = j.rule == 1 ? mask.data() : nullptr;
   bool quad = !strcmp(mode, "quad");
+  if (nv) {
+    const int G = std::max({16, j.H, j.rnd == 2 ? 128 : 0});
+#define RUN_NV(G_, R_, D_) if (G == G_ && j.rule == R_ && j.rnd == D_) run_nv<G_, R_, D_>(j);
+    RUN_NV(16, 0, 0) RUN_NV(16, 0, 1) RUN_NV(16, 2, 0) RUN_NV(128, 0, 0) RUN_NV(128, 0, 1) RUN_NV(128, 0, 2)
+  } else {
 #define RUN(R_, D_) if (j.rule == R_ && j.rnd == D_) { if (quad) run_quad<R_, D_>(j); else run_t1<R_, D_>(j); }
-  RUN(0, 0) RUN(0, 1) RUN(1, 0) RUN(1, 1)
+    RUN(0, 0) RUN(0, 1) RUN(1, 0) RUN(1, 1)
+  }
   f = fopen((dir + "/codes.bin").c_str(), "wb"); fwrite(codes.data(), 1, codes.size(), f); fclose(f);
   f = fopen((dir + "/scales.bin").c_str(), "wb"); fwrite(scales.data(), 1, scales.size(), f); fclose(f);
   f = fopen((dir + "/mask.bin").c_str(), "wb"); fwrite(mask.data(), 1, mask.size(), f); fclose(f);
@@ -587,6 +618,49 @@ def test_host_emulation_mx(emu_binary, mode, shape, dtype, rule, rnd, had, signe
         want["mask"] = q.mask.numpy()
     for name in got:
         assert_same(torch.from_numpy(got[name]), torch.from_numpy(want[name]), f"emulated {mode} {name}")
+
+
+EMU_NV_CASES = [  # (shape, dtype, rule, rounding, hadamard, signed): MS-EDEN's 128-groups, G = 16 too
+    ((64, 256), torch.float32, "absmax", "eden", 128, True),
+    ((33, 384), torch.bfloat16, "absmax", "eden", 128, False),
+    ((65, 128), torch.float32, "absmax", "sr", 128, True),
+    ((64, 256), torch.float32, "four_over_six", "rn", 0, False),
+    ((40, 160), torch.float32, "absmax", "sr", 16, True),
+]
+
+
+def _emu_input_nv(shape, dtype, seed):
+    """Rows 2^-4..2^4 apart (one tensor scale: MX's 1e-30..3e38 would leave most NVFP4 blocks 0),
+    heavy tails, a NaN, an Inf, a zero row and a constant row."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) ** 3 * torch.exp2(torch.randint(-4, 5, shape[:-1] + (1,), generator=gen).float())
+    x[1, 5], x[2, 17], x[3] = float("nan"), float("inf"), 0.0
+    x[4] = 0.75
+    return x.to(dtype).float()
+
+
+@pytest.mark.parametrize("shape,dtype,rule,rnd,had,signed", EMU_NV_CASES)
+def test_host_emulation_nv(emu_binary, shape, dtype, rule, rnd, had, signed):
+    """NVFP4 through quant_group as quant_rows runs it (pre-pass, tensor scale, quantize, and
+    MS-EDEN's per-128-group correction of the scales), against fp4.quantize bit for bit."""
+    import numpy as np
+    d = emu_binary
+    x = _emu_input_nv(shape, dtype, sum(shape) + had + 1)
+    signs = fp4.random_signs(had, 11) if signed else None
+    seed = 4321
+    q = fp4.quantize(x, "nvfp4", scale_rule=rule, rounding=rnd, hadamard=had, signs=signs, seed=seed)
+    x.numpy().astype(np.float32).tofile(d / "x.bin")
+    hs = fp4._hadamard_scale(had) if had else 0.0
+    words = kernels.sign_words(signs) if signed else [0, 0, 0, 0]
+    args = [str(d / "emu"), "nv", str(shape[0]), str(shape[1]), str(kernels.RULE_ID[rule]), str(kernels.ROUND_ID[rnd]),
+            str(had), str(int(signed)), str(words[0]), str(seed), repr(np.float32(hs).item()), str(d),
+            *(str(w) for w in words[1:4])]
+    subprocess.run(args, check=True, timeout=120)
+    r, k = shape
+    got = {"codes": np.fromfile(d / "codes.bin", np.uint8).reshape(r, k // 2),
+           "scales": np.fromfile(d / "scales.bin", np.uint8).reshape(r, k // 16)}
+    for name, want in (("codes", q.codes), ("scales", q.scales)):
+        assert_same(torch.from_numpy(got[name]), want, f"emulated nv {name}")
 
 
 BAD_OPTIONS = [
