@@ -19,6 +19,7 @@ import torch
 
 import fp4
 import kernels
+from train import COMPILE_MODES
 
 
 def bench(fn, warmup=3, reps=20):
@@ -438,16 +439,9 @@ def _time_step(args, variant, compiled, optimizer="adamw", loss_chunk=0, recompu
     """Median step time and peak memory of one variant: autocast BF16 forward with the loss inside
     the model, backward, fused AdamW, with the model torch.compile'd as train.py does."""
     net, opt, cfg = _step_model(args, variant, optimizer, loss_chunk, recompute)
-    fwd = torch.compile(net) if compiled else net
+    fwd = torch.compile(net, mode=args.compile_mode) if compiled else net
     x, y = _step_batch(args, cfg)
-
-    def step():
-        with torch.autocast("cuda", torch.bfloat16):
-            _, loss = fwd(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    step = _train_step(fwd, opt, x, y)
     t0 = time.perf_counter()
     step()  # compiles (and warms up)
     torch.cuda.synchronize()
@@ -465,6 +459,18 @@ def _time_step(args, variant, compiled, optimizer="adamw", loss_chunk=0, recompu
             parts["saved_error"] = f"{type(e).__name__}: {e}"[:300]
     del net, opt, fwd
     return ms, peak, warm_s, parts
+
+
+def _train_step(fwd, opt, x, y):
+    """One training step as train.py takes it: BF16 autocast forward with the loss inside the
+    model, backward, the optimizer's step."""
+    def step():
+        with torch.autocast("cuda", torch.bfloat16):
+            _, loss = fwd(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
 
 
 def memory_parts(net, opt, step, logits_numel):
@@ -826,6 +832,42 @@ def _fp4_attention_parts(attn, q, k, v, do):
 
 
 # ---------------------------------------------------------------------------------------------
+# step_profile: where a compiled training step's time goes, by kernel (torch.profiler)
+
+def section_step_profile(args):
+    """Per --step-variants row (as `step` takes them, at --model/--seq/--batch, --compile-mode):
+    the step's wall time, the GPU's busy time (the kernels' summed device time: less than the wall
+    time when the host cannot keep the GPU fed) and the kernels that take the most of it."""
+    rows = []
+    for variant, optimizer, chunk, recompute in step_combos(args.step_variants, args.step_optimizers,
+                                                            args.step_loss_chunk, args.step_recompute):
+        net, opt, cfg = _step_model(args, variant, optimizer, chunk, recompute)
+        step = _train_step(torch.compile(net, mode=args.compile_mode), opt, *_step_batch(args, cfg))
+        ms = bench(step, warmup=3, reps=args.step_reps)
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.self_device_time_total for e in events) / 2e3  # ms a step
+        top = sorted(events, key=lambda e: -e.self_device_time_total)[:8]
+        row = dict(model=args.model, variant=variant, optimizer=optimizer, loss_chunk=chunk, recompute=recompute,
+                   compile_mode=args.compile_mode, ms=round(ms, 1), gpu_busy_ms=round(busy, 1),
+                   busy_share=round(busy / ms, 3), tokens_per_s=round(args.batch * args.seq / ms * 1e3),
+                   top_kernels=[dict(name=e.key[:90], ms=round(e.self_device_time_total / 2e3, 2),
+                                     calls=e.count // 2) for e in top])
+        rows.append(row)
+        print(f"  {variant} {optimizer}: {ms:.1f} ms a step, GPU busy {busy:.1f} ms ({100 * busy / ms:.0f}%)")
+        for k in row["top_kernels"]:
+            print(f"      {k['ms']:8.2f} ms  x{k['calls']:<4} {k['name']}")
+        del net, opt, step
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
 # profile: where one FP4Linear forward + backward spends its time (torch.profiler)
 
 def section_profile(args):
@@ -950,9 +992,11 @@ def llama_layers(size):
 
 
 SECTIONS = {"overhead": section_overhead, "profile": section_profile, "kernels": section_kernels, "accum": section_accum, "linear": section_linear, "step": section_step,
+            "step_profile": section_step_profile,
             "ns_time": section_ns_time, "attention": section_attention,
             "optim": section_optim, "saved": section_saved}
 CPU_SECTIONS = {"saved"}  # sections that also run without a GPU
+ON_REQUEST = {"step_profile"}  # not in the default sections (a diagnosis, not a comparison)
 MOVED = {"ns": "measure.py", "states": "measure.py"}  # accuracy sections that live in measure.py now
 
 
@@ -1035,14 +1079,16 @@ def compare_runs(paths, out_png):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sections", default=",".join(s for s in SECTIONS if s not in CPU_SECTIONS),
-                    help=f"comma list of {list(SECTIONS)}, or fsdp (default: all but {sorted(CPU_SECTIONS)})")
+    ap.add_argument("--sections", default=",".join(s for s in SECTIONS if s not in CPU_SECTIONS | ON_REQUEST),
+                    help=f"comma list of {list(SECTIONS)}, or fsdp (default: all but {sorted(CPU_SECTIONS | ON_REQUEST)})")
     ap.add_argument("--out", default=None, help="folder for the JSON (default results/<gpu-name-slug>)")
     ap.add_argument("--tokens", type=int, default=16384, help="linear: tokens (rows of X)")
     ap.add_argument("--model", default="1b", help="step: a model.SIZES name")
     ap.add_argument("--seq", type=int, default=2048, help="step: sequence length")
     ap.add_argument("--batch", type=int, default=8, help="step: sequences per step")
     ap.add_argument("--step-reps", type=int, default=4, help="step: timed steps")
+    ap.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
+                    help="step, step_profile: torch.compile's mode (train.py --compile_mode; reduce-overhead: CUDA graphs)")
     ap.add_argument("--step-variants", default=",".join(STEP_VARIANTS),
                     help="step: comma list (model.RECIPES names, fp8-rowwise, float8-tensorwise, float8-rowwise; '+attn-nvfp4' adds FP4 attention; "
                          "'name:optimizer[:loss_chunk[:recompute]]' is that one row); bf16 first")

@@ -142,3 +142,15 @@ def test_moved_sections_point_to_measure(monkeypatch, argv):
     moved = argv[1].replace('saved,', '')
     with pytest.raises(SystemExit, match=f'moved to measure.py .*: python measure.py --sections {moved}$'):
         bench.main()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
+def test_step_profile_on_gpu():
+    """bench.py --sections step_profile: per row the step's time, the GPU's busy share and its
+    heaviest kernels (tiny model: the host, not the GPU, bounds it)."""
+    rows = bench.section_step_profile(SimpleNamespace(**ARGS, step_variants='bf16,quartet', step_recompute='none',
+                                                      step_reps=2, compile_mode='default'))
+    assert [r['variant'] for r in rows] == ['bf16', 'quartet']
+    for r in rows:
+        ms = [k['ms'] for k in r['top_kernels']]
+        assert 0 < r['gpu_busy_ms'] < 1.5 * r['ms'] and ms == sorted(ms, reverse=True) and ms[0] > 0, r
