@@ -63,6 +63,7 @@ SAME_RUN = ('eval_split_tokens', 'compile_mode')
 LEARNING_RATE = {'tiny': 4e-3, '30m': 1.5e-3, '50m': 1.25e-3, '100m': 1.1e-3, '200m': 1e-3,
                  '430m': 8e-4, '800m': 6e-4, '1b': 6e-4}
 EVALS = 4                   # evals after step 0, evenly spaced: the val curve
+FULL_EVAL_TOKENS = 50e6     # runs this long get SETTINGS' eval_iters a curve eval; shorter ones fewer
 STUDY_KEYS = ('recipe', 'seed', 'model_size', 'max_iters', 'eval_interval', 'out_dir')
 # Quartet's BF16 fit (SPEC.md 6) and its effective-parameter / effective-data factors for
 # MXFP4 (Quartet, arXiv 2505.14669); the published gaps a user compares with
@@ -123,11 +124,19 @@ def train_config(run, base_flags=(), settings=SETTINGS, work_dir=None):
         if key in over:
             raise ValueError(f'--{key} is set by the study for each run; it cannot be a flag')
     cfg = {**settings, 'learning_rate': LEARNING_RATE.get(run.size, 1e-3), **over}
+    if 'eval_iters' not in over:  # the curve's evals in proportion to a shorter run (eval_batches)
+        cfg['eval_iters'] = eval_batches(cfg['eval_iters'], run.tokens)
     steps = max(1, round(run.tokens / step_tokens(cfg)))
     cfg.update(recipe=run.recipe, seed=run.seed, model_size=run.size, max_iters=steps,
                eval_interval=max(1, math.ceil(steps / EVALS)),
                out_dir=os.path.join(work_dir or os.path.join(HERE, 'out', 'study'), run.id))
     return cfg
+
+def eval_batches(full, tokens):
+    """Batches per split of each curve eval: `full` for runs of FULL_EVAL_TOKENS or more, in
+    proportion below (at least min(full, 10)): at 50 batches, a 13M-token run would spend ~40% of
+    its time on evals, whose number is now the split loss at the end (eval_split_tokens)."""
+    return max(min(full, 10), round(full * min(1.0, tokens / FULL_EVAL_TOKENS)))
 
 def step_tokens(cfg):
     return cfg['batch_size'] * cfg['block_size'] * cfg['gradient_accumulation_steps']

@@ -184,6 +184,9 @@ def test_grid_and_train_config(tmp_path):
     assert cfg['max_iters'] == round(50e6 / 32768) == 1526 and cfg['eval_interval'] == 382
     assert (cfg['recipe'], cfg['seed'], cfg['model_size']) == ('quartet', 0, '30m')
     assert cfg['out_dir'] == str(tmp_path / '30m-50M-quartet-s0')
+    assert cfg['eval_iters'] == 50  # 50M tokens: SETTINGS' 50 batches an eval; shorter runs fewer
+    assert [study.train_config(r)['eval_iters'] for r in study.grid(['bf16'], [0], ['30m'], [13e6, 1e6, 1e9])] == [13, 10, 50]
+    assert study.train_config(study.grid(['bf16'], [0], ['30m'], [1e6], 'e', ['--eval_iters=7'])[0])['eval_iters'] == 7
     var = study.grid(['quartet'], [2], ['50m'], [25e6], 'lr_low', ['--learning_rate=3e-4'])[0]
     assert var.id == '50m-25M-quartet-lr_low-s2' and var.group == 'quartet+lr_low'
     assert study.train_config(var)['learning_rate'] == 3e-4  # the variant's flags win
