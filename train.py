@@ -13,6 +13,7 @@ Writes to out_dir: train.log (config, versions, GPU, every step), ckpt.pt, loss.
 summary.json.
 """
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -314,15 +315,23 @@ def build_optimizer(model):
     return optim.build(model, optimizer, lr=learning_rate, weight_decay=weight_decay, betas=(beta1, beta2),
                        ns=ns_precision or None, states=optimizer_states or None)
 
-@torch.no_grad()
-def estimate_loss(model, data, ctx, rank):
-    """Mean loss over eval_iters fixed batches per split (the same batches every eval).
-    fork_rng: eval must not move the training RNG stream (FP4 recipes draw from it), so
-    a run stopped at any eval resumes exactly."""
-    out = {}
+@contextlib.contextmanager
+def evaluating(model):
+    """Eval mode inside a forked RNG: an eval must not move the training RNG stream (FP4 recipes
+    draw from it), so a run stopped at any eval resumes exactly; train mode again after."""
     devices = [torch.cuda.current_device()] if device.startswith('cuda') else []
     with torch.random.fork_rng(devices=devices):
         model.eval()
+        try:
+            yield
+        finally:
+            model.train()
+
+@torch.no_grad()
+def estimate_loss(model, data, ctx, rank):
+    """Mean loss over eval_iters fixed batches per split (the same batches every eval)."""
+    out = {}
+    with evaluating(model):
         for si, split in enumerate(('train', 'val')):
             losses = torch.zeros(eval_iters, device=device)
             for k in range(eval_iters):
@@ -336,7 +345,6 @@ def estimate_loss(model, data, ctx, rank):
             out[split] = mean.item()
             # standard error of this rank's mean (independent batches): study.py sets it beside seed noise
             out[f'{split}_se'] = (losses.std() / math.sqrt(eval_iters)).item() if eval_iters > 1 else math.nan
-        model.train()
     return out
 
 def split_batches(val_tokens, world):
@@ -357,9 +365,7 @@ def split_loss(model, val, ctx, rank, world):
     Whole batches only (one compiled shape): the tail of fewer than batch_size * world windows is left out."""
     per_batch, n_batches = batch_size * block_size, split_batches(len(val), world)
     total = torch.zeros((), device=device, dtype=torch.float64)
-    devices = [torch.cuda.current_device()] if device.startswith('cuda') else []
-    with torch.random.fork_rng(devices=devices):
-        model.eval()
+    with evaluating(model):
         for b in range(rank, n_batches * world, world):
             i = b * per_batch + np.arange(batch_size)[:, None] * block_size + np.arange(block_size + 1)
             win = torch.from_numpy(val[i.ravel()].astype(np.int64).reshape(batch_size, block_size + 1))
@@ -367,7 +373,6 @@ def split_loss(model, val, ctx, rank, world):
             with ctx:
                 _, loss = model(x, y)
             total += loss.double()  # each batch has the same token count: the mean of means is the mean
-        model.train()
     if dist.is_initialized():
         dist.all_reduce(total)
     return (total / (n_batches * world)).item(), n_batches * world * per_batch
