@@ -28,12 +28,15 @@ def graph_saved(loss, model):
     nodes (C++ nodes' _saved_* attributes, custom Functions' saved_tensors): a count that does
     not use saved_tensors_hooks. Parameters and buffers left out, as bench.count_saved does."""
     own = {k for t in list(model.parameters()) + list(model.buffers()) for k, _ in bench._storages(t)}
-    found, todo, seen = {}, [loss.grad_fn], set()
+    # seen keeps each node's Python object alive: torch hands out one object per graph node only
+    # while it lives, and a freed one's id() is reused by the next (a node then looked seen: the
+    # H200 host's torch 2.11 walked only the loss's node that way)
+    found, todo, seen = {}, [loss.grad_fn], {}
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         vals = list(node.saved_tensors) if hasattr(node, 'saved_tensors') else []
         for name in dir(node):
             if name.startswith('_saved_'):

@@ -34,8 +34,16 @@ ATTEMPTS = 2  # a run that hangs past the deadline is killed and started once mo
 # by a few FP32 ulps (2^-24 relative). Adam normalises it (m / sqrt(v)), so each weight's update
 # (~lr = 1e-2) differs by about as much relatively, more only where |g| is near eps; the loss
 # (~5) then moves by ~lr * 2^-22 * |dL/dW|_1-ish per step: of order 1e-6 after 4 steps. The bound
-# keeps a 100x margin: 1e-4. Measured: 4.8e-7 (bf16 vs one process), 0 (quartet vs DDP).
+# keeps a 100x margin: 1e-4. Measured: 4.8e-7 (bf16 vs one process).
 LOSS_ATOL = 1e-4
+# quartet after an update: its forward rounds each weight to an FP4 code, a step function, so a
+# weight a few ulps either side of a rounding boundary takes codes one FP4 step apart. How often
+# that happens depends on the CPU's vector code (the clipping norm's sums): here FSDP2 and DDP end
+# 1e-6 apart after 4 steps, on the H200 host's CPU 1.8e-3 (results/nvidia-h200/session7). What the
+# quartet test tells apart is the SR noise stream: runs drawing different streams (one process vs
+# DDP) differ by 0.004 to 0.08 in the train losses of steps 1-3 and by 0.18 and 0.20 in the val
+# losses of steps 2 and 4. 1e-2 lies between the two for the val losses.
+FLIP_ATOL = 1e-2
 
 
 def base_args(corpus, out_dir, *args):
@@ -226,11 +234,14 @@ def test_fsdp_matches_single_process_bf16(runs):
 def test_fsdp_matches_ddp_quartet(runs):
     """quartet draws SR noise and random signs from each rank's torch generator (seed + rank):
     a single process draws rank 1's micro-batch noise from rank 0's stream, so its losses after
-    step 0 differ by SR noise. DDP on the same two ranks draws the same streams: FSDP2 must
-    match it to FP32 rounding (LOSS_ATOL), and step 0 (the forward is deterministic) matches
-    the single process as well."""
+    step 0 differ by SR noise. DDP on the same two ranks draws the same streams: FSDP2 matches
+    it to FP32 rounding at step 0 (LOSS_ATOL; the single process too: the forward is
+    deterministic) and, after updates, to FP32 rounding through flipped FP4 codes (FLIP_ATOL)."""
     fsdp = runs['fsdp_quartet']['summary']['loss_curve']
-    assert_losses_close(fsdp, runs['ddp_quartet']['summary']['loss_curve'], LOSS_ATOL, 'FSDP2 vs DDP')
+    ddp = runs['ddp_quartet']['summary']['loss_curve']
+    assert_losses_close(fsdp, ddp, FLIP_ATOL, 'FSDP2 vs DDP')
+    assert abs(fsdp['train_loss'][0] - ddp['train_loss'][0]) <= LOSS_ATOL
+    assert abs(fsdp['val_loss'][0] - ddp['val_loss'][0]) <= LOSS_ATOL
     single = runs['single_quartet']['loss_curve']
     assert abs(fsdp['train_loss'][0] - single['train_loss'][0]) <= LOSS_ATOL
     print('max |FSDP2 - DDP| train loss:', max(abs(x - y) for x, y in zip(

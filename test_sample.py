@@ -88,6 +88,13 @@ def trained(tmp_path_factory):
                 '--sample_tokens=8'])
     return out
 
+def test_the_training_fixture_leaves_fp32_alone(trained):
+    """train.main turns TF32 on; conftest sets the session's flags back before every test, this
+    module's first too (its module-scoped fixture trains before that test's own fixtures)."""
+    import conftest
+    flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    assert flags == conftest.SESSION_FLAGS
+
 def test_sample_cli(trained, capsys, tmp_path):
     prompt = tmp_path / 'prompt.txt'
     prompt.write_text('7 38')  # the synthetic corpus has no text tokenizer: token ids
