@@ -1,22 +1,25 @@
-"""The numerics measurements behind the design choices: python measure.py --sections ns,states,lora_rank
+"""The numerics measurements behind the design choices: python measure.py --sections ns,states,root_states,lora_rank
 
 SPEC's "decide by measurement": each section measures the candidate designs of one numeric choice,
 on a CPU, or on a GPU where there is one:
 
 $ python measure.py --sections ns --ns-sizes 30m --momentum out/mom30m_muon/ckpt.pt   # Newton-Schulz designs
 $ python measure.py --sections states --states-lm 300    # the NVFP4 optimizer-state format (optim.py)
+$ python measure.py --sections root_states --root-lm 300  # the format of ROOT's momentum (optim.ROOT_STATES)
 $ python measure.py --sections lora_rank --ckpt out/ckpt.pt --backward   # the fullstack recipe's rank
 $ python measure.py --sections lora_rank --device=cuda --synthetic=2048x2048 --ranks=32,128 --calls=2  # a GPU check
 
 ns: Newton-Schulz in FP4 (optim.py, SPEC 8.2), the cosine to the exact polar factor per design, at
 every 2-D block shape of --ns-sizes (its GPU time per optimizer step is bench.py --sections ns_time).
 states: candidate NVFP4 formats of AdamW's m and v (SPEC 8.1), single-shot and EMA errors and a
-regression's loss. lora_rank: how much the BF16 rank-r part (LoRA-SVD, SPEC 8.4) cuts a linear
+regression's loss. root_states: ROOT's momentum held in FP32, BF16, one or two NVFP4 terms, its
+recursion replayed on a synthetic gradient stream (and the tiny LM trained). lora_rank: how much the BF16 rank-r part (LoRA-SVD, SPEC 8.4) cuts a linear
 layer's FP4 error, by rank. Each section returns rows (dicts), printed as they come; they are
 written with the run's meta (bench.run_meta, the option values under "args") to
 results/<gpu-name-slug>/ (--out: another folder, or with one section a .json file name) under the
 names these sections had when ns and states lived in bench.py and lora_rank in lora_rank.py:
-bench_ns.json, bench_states.json, lora_rank.json, so the committed results keep their names.
+bench_ns.json, bench_states.json, lora_rank.json, so the committed results keep their names
+(root_states, new: measure_root_states.json).
 """
 import argparse
 import math
@@ -72,15 +75,16 @@ def _lm_batches(vocab=2048, batch=16, seq=64):
     return get
 
 
-def _tiny_lm_run(get, steps, seed, lr, **opt_kw):
-    """The tiny Llama (vocab 2048) trained `steps` steps; returns the model's AdamW and val loss."""
+def _tiny_lm_run(get, steps, seed, lr, make_opt=None, **opt_kw):
+    """The tiny Llama (vocab 2048) trained `steps` steps; returns the model, its optimizer (AdamW
+    with opt_kw, or make_opt(net)) and the val loss."""
     import model as llama
     import optim
     torch.manual_seed(seed)
     net = llama.GPT(llama.config_for("tiny", vocab_size=2048, block_size=64))
     groups = [dict(params=[p for p in net.parameters() if p.dim() >= 2]),
               dict(params=[p for p in net.parameters() if p.dim() < 2], weight_decay=0.0)]
-    opt = optim.AdamW(groups, lr=lr, seed=seed, **opt_kw)
+    opt = make_opt(net) if make_opt else optim.AdamW(groups, lr=lr, seed=seed, **opt_kw)
     warm = steps // 10
     for it in range(steps):
         frac = (it - warm) / (steps - warm)
@@ -195,6 +199,78 @@ def section_states(args):
         print(f"  {row['format']}: done")
     print_table(rows, list(dict.fromkeys(k for r in rows for k in r)))
     print(f"regression, FP32 AdamW: {[f'{v:.4e}' for v in fp32_reg]}")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# root_states: the format of ROOT's momentum (optim.ROOT_STATES), decided by measurement
+
+ROOT_STATE_COLS = ("shape", "noise", "state", "ns", "update_cos", "momentum_rel_err", "lm_val")
+ROOT_STATE_ROWS = [("fp32", "bf16"), ("bf16", "bf16"), ("nvfp4", "bf16"), ("nvfp4x2", "bf16"), ("fp32", "nvfp4"),
+                   ("nvfp4x2", "nvfp4")]
+
+
+def _cos(a, b):
+    return float((a * b).sum() / (a.norm() * b.norm()))
+
+
+def momentum_replay(shape, noise, steps, seed=0, beta=0.95):
+    """ROOT's momentum recursion (EMA beta, Nesterov, soft threshold, ROOT's coefficients) on a
+    synthetic gradient stream g_t = S + noise * N_t / sqrt(numel): S a fixed power-law matrix
+    (i^-1, unit Frobenius norm), N_t fresh Gaussian. Per (state, ns) of ROOT_STATE_ROWS: the mean
+    over the second half of the steps of the update's cosine to the update of FP32 momentum with
+    BF16 Newton-Schulz, and of the momentum's relative error."""
+    import optim
+    gen = torch.Generator().manual_seed(seed)
+    S = power_law_matrix(shape, 1.0, seed).float()
+    S = S / S.norm()
+    abc = optim.ns_coefficients(shape, "root")
+
+    def update(buf, g, ns):  # ROOT._update from the step's FP32 momentum on
+        return optim.newton_schulz(optim.soft_threshold(g.lerp(buf, beta), 0.9), 5, abc, ns)
+
+    exact = torch.zeros(shape)
+    held = {row: optim._momentum_state(torch.zeros(shape), row[0], 0) for row in ROOT_STATE_ROWS}
+    cos, err = {row: [] for row in ROOT_STATE_ROWS}, {row: [] for row in ROOT_STATE_ROWS}
+    for t in range(steps):
+        g = S + noise * torch.randn(shape, generator=gen) / math.sqrt(S.numel())
+        exact = exact.lerp(g, 1 - beta)
+        measured = t >= steps // 2
+        O_exact = update(exact, g, "bf16") if measured else None
+        for row in ROOT_STATE_ROWS:
+            buf = optim._momentum_value(held[row]).lerp(g, 1 - beta)  # the step's: held m, updated in FP32
+            if measured:
+                cos[row].append(_cos(update(buf, g, row[1]), O_exact))
+                err[row].append(float((buf - exact).norm() / exact.norm()))
+            held[row] = optim._momentum_state(buf, row[0], t * 65536 + 1)
+    return {row: (sum(cos[row]) / len(cos[row]), sum(err[row]) / len(err[row])) for row in ROOT_STATE_ROWS}
+
+
+def section_root_states(args):
+    """Rows per (shape, gradient noise, momentum state, Newton-Schulz precision): momentum_replay's
+    update cosine and momentum error; with --root-lm N also the tiny LM's val loss after N steps
+    of optim.build('root', states=..., ns=...) per seed of --root-lm-seeds, for the (state, ns)
+    pairs of --root-lm-rows."""
+    import optim
+    rows = []
+    for shape in [tuple(int(d) for d in s.split("x")) for s in args.root_shapes.split(",") if s]:
+        for noise in (0.3, 3.0):
+            t0 = time.time()
+            for (state, ns), (c, e) in momentum_replay(shape, noise, args.root_steps).items():
+                rows.append(dict(shape=f"{shape[0]}x{shape[1]}", noise=noise, state=state, ns=ns,
+                                 update_cos=round(c, 4), momentum_rel_err=round(e, 4)))
+                print_table_row(rows[-1], ROOT_STATE_COLS)
+            print(f"  {shape} noise {noise}: {time.time() - t0:.0f} s")
+    get = _lm_batches() if args.root_lm else None
+    if args.root_lm and get is None:
+        print("  data/pycode not prepared: no tiny-LM runs (python data/pycode/prepare.py)")
+    seeds = [int(s) for s in args.root_lm_seeds.split(",")]
+    for state, ns in [r for r in ROOT_STATE_ROWS if f"{r[0]}/{r[1]}" in args.root_lm_rows.split(",")] if get else []:
+        make = lambda net: optim.build(net, "root", lr=3e-3, states=state, ns=ns)  # noqa: E731
+        val = [_tiny_lm_run(get, args.root_lm, s, 3e-3, make_opt=make)[2] for s in seeds]
+        rows.append(dict(shape="tiny LM", noise=None, state=state, ns=ns, lm_steps=args.root_lm,
+                         lm_val=[round(v, 4) for v in val]))
+        print_table_row(rows[-1], ROOT_STATE_COLS)
     return rows
 
 
@@ -484,8 +560,9 @@ def section_lora_rank(args):
 # ---------------------------------------------------------------------------------------------
 # the command line: sections, their options, where their rows go
 
-SECTIONS = {"ns": section_ns, "states": section_states, "lora_rank": section_lora_rank}
-FILES = {"ns": "bench_ns.json", "states": "bench_states.json", "lora_rank": "lora_rank.json"}  # results/<gpu>/
+SECTIONS = {"ns": section_ns, "states": section_states, "root_states": section_root_states, "lora_rank": section_lora_rank}
+FILES = {"ns": "bench_ns.json", "states": "bench_states.json", "root_states": "measure_root_states.json",
+         "lora_rank": "lora_rank.json"}  # results/<gpu>/
 
 
 def parse(argv=None):
@@ -497,6 +574,12 @@ def parse(argv=None):
     ap.add_argument("--momentum", nargs="*", default=[], metavar="CKPT",
                     help="ns: train.py checkpoints of Muon/ROOT runs whose momentum matrices to test")
     ap.add_argument("--states-lm", type=int, default=0, help="states: also train the tiny LM this many steps per format and seed (CPU: ~2 min a run)")
+    ap.add_argument("--root-shapes", default="640x640,640x1792", help="root_states: comma list of RxC matrix shapes")
+    ap.add_argument("--root-steps", type=int, default=60, help="root_states: steps of the momentum replay")
+    ap.add_argument("--root-lm", type=int, default=0, help="root_states: also train the tiny LM this many steps per format and seed")
+    ap.add_argument("--root-lm-seeds", default="0,1", help="root_states: the tiny LM's seeds")
+    ap.add_argument("--root-lm-rows", default=",".join(f"{a}/{b}" for a, b in ROOT_STATE_ROWS),
+                    help="root_states: the tiny LM's (state/ns) pairs")
     ap.add_argument("--ckpt", default=None, help="lora_rank: a train.py checkpoint: measure its block linears too")
     ap.add_argument("--ranks", default="8,16,32,64,128", help="lora_rank: comma list of ranks")
     ap.add_argument("--tokens", type=int, default=1024, help="lora_rank: rows of X (a multiple of 128)")

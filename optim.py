@@ -191,7 +191,8 @@ class PackedStates:
 
     def load_state_dict(self, state_dict):
         """torch's, but packed FP4 states keep their dtypes (torch casts every tensor of a state to
-        the parameter's dtype: uint8 codes would become floats) and move to the parameter's device."""
+        the parameter's dtype: uint8 codes would become floats) and move to the parameter's device;
+        so do BF16 states (ROOT's momentum)."""
         saved = state_dict["state"]
         packed = {k: {n: v for n, v in s.items() if is_packed(v)} for k, s in saved.items()}
         plain = {k: {n: v for n, v in s.items() if not is_packed(v)} for k, s in saved.items()}
@@ -199,6 +200,9 @@ class PackedStates:
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(ids, params):
+            for name, v in plain.get(i, {}).items():
+                if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16:
+                    self.state[p][name] = self.state[p][name].to(torch.bfloat16)
             for name, s in packed.get(i, {}).items():
                 self.state[p][name] = {f: v.to(p.device, copy=True) if isinstance(v, torch.Tensor) else v
                                        for f, v in s.items()}
@@ -725,7 +729,9 @@ class ROOT(PackedStates, torch.optim.Optimizer):
         O = newton_schulz(u, ns_steps, ns_coefficients(shape, coefficients), ns)
         W = W * (1 - lr * weight_decay) - lr * update_scale(shape, scale) * O
     coefficients='root' (ROOT's shape table, Muon's elsewhere) or 'muon'; ns='fp32'|'bf16'|'nvfp4';
-    state='nvfp4' stores m through quantize_state(m, 'signed') (SPEC 8.1). Muon is
+    state='bf16' stores m in BF16 (2 B/param); 'nvfp4' through quantize_state(m, 'signed') (SPEC
+    8.1, one NVFP4 term: 0.56 B/param); 'nvfp4x2' as two NVFP4 terms, m ~ Q(m) + Q(m - Q(m)), both
+    rounded to nearest (1.125 B/param); see ROOT_STATES for what they cost. Muon is
     ROOT(coefficients='muon', soft_threshold=None); 1-D, 3-D and embedding weights belong on AdamW
     (build() sorts them)."""
 
@@ -758,15 +764,14 @@ class ROOT(PackedStates, torch.optim.Optimizer):
         st = self.state[p]
         if not st:
             st["step"] = 0
-            zeros = torch.zeros_like(g)
-            st["momentum_buffer"] = zeros if group["state"] == "fp32" else quantize_state(zeros, "signed", 0)
+            st.update(_momentum_state(torch.zeros_like(g), group["state"], 0))
         st["step"] += 1
         beta = group["momentum"]
         if group["state"] == "fp32":
             buf = st["momentum_buffer"].lerp_(g, 1 - beta)
         else:  # dequantize, update in FP32, re-quantize (SPEC 8.1); this step uses the FP32 value
-            buf = dequantize_state(st["momentum_buffer"]).float().lerp_(g, 1 - beta)
-            st["momentum_buffer"] = quantize_state(buf, "signed", seed=st["step"] * 65536 + index)
+            buf = _momentum_value(st).lerp_(g, 1 - beta)
+            st.update(_momentum_state(buf, group["state"], st["step"] * 65536 + index))
         u = g.lerp(buf, beta) if group["nesterov"] else buf
         u = soft_threshold(u, group["soft_threshold"])
         abc = ns_coefficients(p.shape, group["coefficients"])
@@ -775,7 +780,40 @@ class ROOT(PackedStates, torch.optim.Optimizer):
         p.add_(O.to(p.dtype), alpha=-group["lr"] * update_scale(p.shape, group["scale"]))
 
 
-ROOT_STATES = ("fp32", "nvfp4")
+# ROOT's momentum state. One NVFP4 term (SPEC 8.1's signed m, SR) is too coarse for an
+# orthogonalised update: each step's re-quantization adds an error of ~10% of |m| (NVFP4's
+# relative RMS error), the EMA keeps the last ~1 / (1 - beta^2) = 10 of them, so m is 20-35% off,
+# and Newton-Schulz maps every direction of that noise to a singular value ~1, as it does the
+# signal's. measure.py --sections root_states replays the recursion (README, "The momentum's
+# format"): the update's cosine to the FP32-momentum update is 0.54-0.86 with one term, 0.981-0.999
+# with two terms rounded to nearest (the second holds the first's error: ~2.5% of |m| is left),
+# 0.999-1.000 in BF16, against 0.995-0.999 for NVFP4 Newton-Schulz itself. At 30M one term cost
+# root_fp4 +2.4% loss against root (study, 2 seeds). On the tiny LM (300 steps, 4 seeds) two terms
+# still cost +0.68% (paired gaps +0.31% to +0.88%) and BF16 nothing (-0.04% to +0.04%): root_fp4's
+# momentum is BF16 (2 B/param), by that measurement; 'nvfp4x2' (1.125 B/param, AdamW-FP4's m and v
+# together) and 'nvfp4' are there to choose (train.py --optimizer_states).
+ROOT_STATES = ("fp32", "bf16", "nvfp4", "nvfp4x2")
+
+
+def _momentum_state(buf, state, seed):
+    """ROOT's momentum entries for buf (FP32): {'momentum_buffer': ...} (FP32, BF16 or packed) and,
+    for 'nvfp4x2', the second term 'momentum_residual' = Q(buf - Q(buf)), both packed dicts."""
+    if state == "fp32":
+        return {"momentum_buffer": buf}
+    if state == "bf16":  # round to nearest even, 2 B/param
+        return {"momentum_buffer": buf.bfloat16()}
+    if state == "nvfp4":
+        return {"momentum_buffer": quantize_state(buf, "signed", seed=seed)}
+    hi = quantize_state(buf, "signed", rounding="rn")
+    if not is_packed(hi):  # a tensor quantizable() keeps in FP32: exact, no second term
+        return {"momentum_buffer": hi}
+    return {"momentum_buffer": hi, "momentum_residual": quantize_state(buf - dequantize_state(hi), "signed", rounding="rn")}
+
+
+def _momentum_value(st):
+    """The FP32 momentum a state holds: its one term, or the sum of its two."""
+    m = dequantize_state(st["momentum_buffer"]).float()
+    return m + dequantize_state(st["momentum_residual"]) if "momentum_residual" in st else m
 
 
 def _check_root_options(lr, momentum, weight_decay, coefficients, soft_threshold, ns, state,
@@ -819,18 +857,22 @@ def build(model, name, lr=1.5e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
     """The optimizer `name` (OPTIMIZERS) for a model, one object with torch's interface.
     'adamw': AdamW on everything (matrices decayed, 1-D parameters not), as model.configure_optimizers.
     'muon' / 'root' / 'root_fp4' / 'torch_muon': 2-D hidden weights on Muon / ROOT / ROOT with
-    NVFP4 Newton-Schulz and NVFP4 momentum / torch.optim.Muon; embeddings, lm_head and 1-D
-    parameters on AdamW. Both parts share lr and weight_decay: the Muon family's update is scaled
-    to AdamW's RMS (update_scale 'rms'). For ablations, ns (NS_PRECISIONS) replaces the Muon
-    family's Newton-Schulz precision and states ('fp32' or 'nvfp4') every state's format, the
-    AdamW part's too. root_hyper goes to ROOT (momentum, ns_steps, ...)."""
+    NVFP4 Newton-Schulz and BF16 momentum (ROOT_STATES says why) / torch.optim.Muon; embeddings,
+    lm_head and 1-D parameters on AdamW. Both parts share lr and weight_decay: the Muon family's
+    update is scaled to AdamW's RMS (update_scale 'rms'). For ablations, ns (NS_PRECISIONS)
+    replaces the Muon family's Newton-Schulz precision and states (ROOT_STATES) its momentum's
+    format, the AdamW part's too ('nvfp4' or 'nvfp4x2': AdamW's NVFP4 m and v; 'fp32' or 'bf16':
+    torch's FP32 AdamW). root_hyper goes
+    to ROOT (momentum, ns_steps, ...)."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
     if ns is not None and (name not in ("muon", "root", "root_fp4") or ns not in NS_PRECISIONS):
         raise ValueError(f"ns={ns!r}: one of {NS_PRECISIONS}, for muon, root or root_fp4 (not {name!r})")
     if states is not None and (name == "torch_muon" or states not in ROOT_STATES):
         raise ValueError(f"states={states!r}: one of {ROOT_STATES}, for any optimizer but torch_muon")
-    fp4_states = states == "nvfp4" if states else name in ("adamw_fp4", "root_fp4")
+    if states in ("bf16", "nvfp4x2") and name in ("adamw", "adamw_fp4"):
+        raise ValueError(f"states={states!r} is a format of ROOT's momentum; AdamW's states are 'fp32' or 'nvfp4'")
+    fp4_states = states in ("nvfp4", "nvfp4x2") if states else name in ("adamw_fp4", "root_fp4")
     hidden, rest = _split_params(model)
     if name in ("adamw", "adamw_fp4"):
         return _adamw(_decay_groups(hidden + rest, weight_decay), lr, betas, eps, fp4_state=fp4_states)
@@ -840,7 +882,7 @@ def build(model, name, lr=1.5e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
     else:
         preset = dict(muon=dict(coefficients="muon", soft_threshold=None),
                       root=dict(coefficients="root", soft_threshold=0.9),
-                      root_fp4=dict(coefficients="root", soft_threshold=0.9, ns="nvfp4", state="nvfp4"))[name]
+                      root_fp4=dict(coefficients="root", soft_threshold=0.9, ns="nvfp4", state="bf16"))[name]
         preset = {**preset, **({"ns": ns} if ns else {}), **({"state": states} if states else {})}
         muon = ROOT(hidden, lr=lr, weight_decay=weight_decay, **{**preset, **root_hyper})
     return Optimizers(muon, adamw)

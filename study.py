@@ -52,8 +52,12 @@ REFERENCE = 'bf16'
 # At the end, the loss over the val split's first 4M tokens (the H200's whole 3.75M-token split), the
 # same text for every run: the 50 random eval batches are drawn by the run's seed, so across seeds
 # their sampling (eval SE ~0.017 at 30M) adds to the training's spread; paired gaps cancel it.
+# compile_mode 'reduce-overhead' (CUDA graphs): the eager-launched FP4 layers are host-bound at 30M;
+# measured on the H200 (bench.py --model 30m --seq 512 --batch 64, results/nvidia-h200/session7):
+# a step of quartet 67.2 -> 61.4 ms, nvfp4 84.7 -> 73.6, quartet2 142.3 -> 116.8, bf16 52.5 -> 51.8.
 SETTINGS = dict(block_size=512, batch_size=64, gradient_accumulation_steps=1, eval_iters=50,
-                always_save_checkpoint=False, log_interval=25, loss_chunk=8192, eval_split_tokens=4_000_000)
+                always_save_checkpoint=False, log_interval=25, loss_chunk=8192, eval_split_tokens=4_000_000,
+                compile_mode='reduce-overhead')
 # settings a run recorded without them is still the same run for: eval_split_tokens adds a
 # measurement after training (such a run lacks that number), compile_mode changes how fast the
 # same kernels are launched (CUDA graphs), not what they compute
@@ -668,9 +672,12 @@ def gap_rows(records):
                        corpora=sorted({r['corpus']['train_sha1'] for r in runs.values()}))
             if group != ref and ref in groups:
                 row['gap'] = paired_gap(val_losses(groups[ref], key), losses)
-            base = group.partition('+')[0]
-            if '+' in group and base in groups:
+            base, _, variant = group.partition('+')
+            if variant and base in groups:
                 row['vs_base'] = paired_gap(val_losses(groups[base], key), losses)
+            twin = f"{base}+{variant.partition('_fp4')[0]}"  # root_fp4's (root_fp4x2's) twin is root: not in FP4
+            if '_fp4' in variant and twin in groups:
+                row['twin'], row['vs_twin'] = twin, paired_gap(val_losses(groups[twin], key), losses)
             rows.append(row)
     return rows
 
@@ -680,6 +687,15 @@ def fmt_gap(gap):
     if gap['n'] < 2:
         return f"{100 * gap['rel']:+.2f}%", 'one seed: none'
     return f"{100 * gap['rel']:+.2f}%", f"[{100 * gap['rel_lo']:+.2f}%, {100 * gap['rel_hi']:+.2f}%]"
+
+def within(gap, size, tokens, group, rows):
+    """' (sd X%: within|outside)' for a gap against `group`'s runs of the same cell: the seed sd of
+    that group relative to its mean, and whether the gap's mean is inside it; '' without 2 seeds."""
+    ref = next((r for r in rows if (r['size'], r['tokens'], r['group']) == (size, tokens, group)), None)
+    if not gap or gap['n'] < 2 or ref is None or not np.isfinite(ref['sd']):
+        return ''
+    sd = ref['sd'] / ref['mean']
+    return f" (sd {100 * sd:.2f}%: {'within' if abs(gap['rel']) <= sd else 'outside'})"
 
 def fmt_eval(row):
     return 'whole split' if row['eval'] == 'split' else f"per-seed batches, SE {row['eval_se']:.4f}"
@@ -866,10 +882,17 @@ def report(directory, exponents='auto', n_boot=200, log=print):
           f'across seeds that sampling adds to the spread, within a seed\'s pair it cancels.', '',
           gap_table(rows), '']
     if variants:
-        md += ['Variants against their own recipe (paired by seed):', '',
-               '| size | tokens | variant | gap | 95% interval |', '|---|---|---|---|---|']
+        md += ['Variants against their own recipe, and an `_fp4` variant against its twin without FP4 '
+               '(root_fp4 against root), paired by seed:', '',
+               '| size | tokens | variant | gap | 95% interval | twin | gap to twin | 95% interval |',
+               '|---|---|---|---|---|---|---|---|']
         md += [f"| {r['size']} | {tokens_label(r['tokens'])} | {r['group']} | "
-               f"{' | '.join(fmt_gap(r['vs_base']))} |" for r in variants]
+               f"{fmt_gap(r['vs_base'])[0]}{within(r['vs_base'], r['size'], r['tokens'], r['group'].partition('+')[0], rows)}"
+               f" | {fmt_gap(r['vs_base'])[1]} | {r.get('twin', '—')} | "
+               f"{fmt_gap(r.get('vs_twin'))[0]}{within(r.get('vs_twin'), r['size'], r['tokens'], r.get('twin'), rows)}"
+               f" | {fmt_gap(r.get('vs_twin'))[1]} |" for r in variants]
+        md += ['', '(sd: the seed sd of what the gap is against, relative to its mean; "within" where the '
+               'mean gap is no larger: the issues\' "within the seed spread")']
         md.append('')
     md += [f'Published: {PUBLISHED}.', '', published_law_gaps(rows), '',
            'Eval noise beside seed noise (bf16): ' + ('; '.join(noise) or 'needs >= 2 seeds') + '.', '',

@@ -130,3 +130,30 @@ def test_main_writes_meta_and_rows(tmp_path):
     saved = json.load(open(tmp_path / "lora_rank.json"))
     assert {"gpu", "torch", "code", "kernel_compiler"} <= set(saved["meta"]) and saved["meta"]["args"]["ranks"] == "16"
     assert len(saved["rows"]) == 2 * len(measure.rank_variants([16]))
+
+
+# ---------------------------------------------------------------------------------------------
+# root_states
+
+def test_momentum_replay_tells_the_formats_apart():
+    """What optim.ROOT_STATES rests on, at a small shape (128x256, 40 steps, noise 3; seed 0).
+    One NVFP4 term: each step adds NVFP4's ~10% relative error, the EMA keeps ~1/(1 - beta^2) = 10
+    steps of it, so |m - exact| ~ 0.1 sqrt(10) = 0.32 |m| (measured 0.34); Newton-Schulz lifts that
+    noise's directions to singular values ~1 (update cosine measured 0.87). Two terms: ~1% a step,
+    ~3% in m (measured 0.022), cosine 0.999. Bounds between the two, with room for the draw."""
+    got = measure.momentum_replay((128, 256), 3.0, 40)
+    (c_fp32, e_fp32), (c_one, e_one), (c_two, e_two) = (got[(s, "bf16")] for s in ("fp32", "nvfp4", "nvfp4x2"))
+    print({k: (round(c, 4), round(e, 4)) for k, (c, e) in got.items()})
+    assert abs(c_fp32 - 1) < 1e-5 and e_fp32 == 0.0  # the reference against itself (FP32 dot products)
+    assert e_one > 0.2 and c_one < 0.95
+    assert e_two < 0.05 and c_two > 0.99
+    assert got[("nvfp4x2", "nvfp4")][0] > 0.97  # with NVFP4 Newton-Schulz on top (measured 0.984)
+    assert got[("bf16", "bf16")][1] < 0.01  # BF16: 2^-9 a step, ~0.4% in m (measured 0.0042)
+
+
+def test_root_states_rows(tmp_path):
+    rows = measure.section_root_states(SimpleNamespace(root_shapes="64x128", root_steps=6, root_lm=0,
+                                                       root_lm_seeds="0", root_lm_rows=""))
+    assert len(rows) == 2 * len(measure.ROOT_STATE_ROWS)
+    assert {(r["state"], r["ns"]) for r in rows} == set(measure.ROOT_STATE_ROWS)
+    assert all(set(r) == {"shape", "noise", "state", "ns", "update_cos", "momentum_rel_err"} for r in rows)

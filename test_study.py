@@ -137,6 +137,33 @@ def test_law_fit_with_seed_noise():
             lo, hi = boot[g][j]
             assert lo < hi and lo <= est * 1.02 and est <= hi * 1.02, (g, j, lo, est, hi)
 
+def test_report_pairs_an_fp4_variant_with_its_twin(tmp_path):
+    """bf16+root_fp4 (and root_fp4x2) against bf16+root (the twin: the same optimizer without
+    FP4), paired by seed: the mean of the per-seed ratios; a variant without a twin gets none."""
+    losses = {'bf16': (4.0, 4.1), 'bf16+root': (3.6, 3.5), 'bf16+root_fp4': (3.69, 3.57), 'bf16+adamw_fp4': (4.0, 4.1),
+              'bf16+root_fp4x2': (3.6, 3.5)}
+    for group, per_seed in losses.items():
+        recipe, _, variant = group.partition('+')
+        for seed, L in enumerate(per_seed):
+            run = study.Run('30m', 13e6, recipe, seed, variant)
+            study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+                id=run.id, group=group, recipe=recipe, variant=variant, seed=seed, model_size='30m',
+                tokens=13e6, n_params=30e6, epochs=0.1, status='ok', val_loss=L, val_loss_se=0.01,
+                tokens_per_s=1e5, git_commit='abc', corpus=dict(train_sha1='f00'),
+                curve=dict(train_loss=[8.0, L], val_steps=[0, 10], val_loss=[8.0, L])))
+    rows, _ = study.report(str(tmp_path), n_boot=10, log=lambda m: None)
+    by = {r['group']: r for r in rows}
+    want = (3.69 / 3.6 + 3.57 / 3.5) / 2 - 1
+    assert by['bf16+root_fp4']['twin'] == 'bf16+root'
+    assert by['bf16+root_fp4']['vs_twin']['rel'] == pytest.approx(want) and by['bf16+root_fp4']['vs_twin']['n'] == 2
+    assert 'vs_twin' not in by['bf16+adamw_fp4'] and 'vs_twin' not in by['bf16+root']
+    assert by['bf16+root_fp4x2']['twin'] == 'bf16+root' and by['bf16+root_fp4x2']['vs_twin']['rel'] == 0
+    md = (tmp_path / 'report.md').read_text()
+    sd = np.std([3.6, 3.5], ddof=1) / 3.55  # root's seed sd, relative: 1.99% < the gap's 2.54%
+    assert f"| bf16+root | {100 * want:+.2f}% (sd {100 * sd:.2f}%: outside) |" in md
+    assert '| bf16+adamw_fp4 | +0.00% (sd 1.75%: within) |' in md  # against bf16 (4.0, 4.1): sd 0.0707 / 4.05
+
+
 def test_report_fits_the_law_from_run_records(tmp_path):
     """Run JSONs whose val losses follow the law (3 sizes x 2 budgets, 2 seeds, seed noise
     0.002): the report's gap table, variant table, law table near the truth, and PNGs."""

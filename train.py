@@ -64,7 +64,7 @@ recompute = 'none'        # one of model.RECOMPUTES: 'mlp' reruns ln_2 -> gate_u
 # AdamW and the lr schedule (Quartet's: betas (0.9, 0.95), wd 0.1, clip 1, cosine, 10% warmup)
 optimizer = 'adamw'  # adamw | adamw_fp4 | muon | root | root_fp4 (optim.build)
 ns_precision = ''         # ablations: the Muon family's Newton-Schulz precision instead of the optimizer's ('' = its own)
-optimizer_states = ''     # ablations: 'fp32' or 'nvfp4' for every optimizer state instead of the optimizer's
+optimizer_states = ''     # ablations: the optimizer's states instead of its own: fp32 | nvfp4 (AdamW's and ROOT's), bf16 | nvfp4x2 (ROOT's momentum; AdamW's part FP32 | NVFP4)
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.95
