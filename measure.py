@@ -249,8 +249,8 @@ def momentum_replay(shape, noise, steps, seed=0, beta=0.95):
 def section_root_states(args):
     """Rows per (shape, gradient noise, momentum state, Newton-Schulz precision): momentum_replay's
     update cosine and momentum error; with --root-lm N also the tiny LM's val loss after N steps
-    of optim.build('root', states=..., ns=...) per seed of --root-lm-seeds, for the (state, ns)
-    pairs of --root-lm-rows."""
+    of optim.build('root', state=..., ns=...) (ROOT's momentum alone; the AdamW part FP32) per seed
+    of --root-lm-seeds, for the (state, ns) pairs of --root-lm-rows."""
     import optim
     rows = []
     for shape in [tuple(int(d) for d in s.split("x")) for s in args.root_shapes.split(",") if s]:
@@ -266,7 +266,8 @@ def section_root_states(args):
         print("  data/pycode not prepared: no tiny-LM runs (python data/pycode/prepare.py)")
     seeds = [int(s) for s in args.root_lm_seeds.split(",")]
     for state, ns in [r for r in ROOT_STATE_ROWS if f"{r[0]}/{r[1]}" in args.root_lm_rows.split(",")] if get else []:
-        make = lambda net: optim.build(net, "root", lr=3e-3, states=state, ns=ns)  # noqa: E731
+        # state= goes to ROOT alone (states= would turn the AdamW part's states to NVFP4 too)
+        make = lambda net: optim.build(net, "root", lr=3e-3, state=state, ns=ns)  # noqa: E731
         val = [_tiny_lm_run(get, args.root_lm, s, 3e-3, make_opt=make)[2] for s in seeds]
         rows.append(dict(shape="tiny LM", noise=None, state=state, ns=ns, lm_steps=args.root_lm,
                          lm_val=[round(v, 4) for v in val]))

@@ -788,8 +788,8 @@ class ROOT(PackedStates, torch.optim.Optimizer):
 # format"): the update's cosine to the FP32-momentum update is 0.54-0.86 with one term, 0.981-0.999
 # with two terms rounded to nearest (the second holds the first's error: ~2.5% of |m| is left),
 # 0.999-1.000 in BF16, against 0.995-0.999 for NVFP4 Newton-Schulz itself. At 30M one term cost
-# root_fp4 +2.4% loss against root (study, 2 seeds). On the tiny LM (300 steps, 4 seeds) two terms
-# still cost +0.68% (paired gaps +0.31% to +0.88%) and BF16 nothing (-0.04% to +0.04%): root_fp4's
+# root_fp4 +2.4% loss against root (study, 2 seeds). On the tiny LM (300 steps, 4 seeds) one term
+# costs +1.31%, two terms +0.19% (every seed positive) and BF16 nothing (-0.01%): root_fp4's
 # momentum is BF16 (2 B/param), by that measurement; 'nvfp4x2' (1.125 B/param, AdamW-FP4's m and v
 # together) and 'nvfp4' are there to choose (train.py --optimizer_states).
 ROOT_STATES = ("fp32", "bf16", "nvfp4", "nvfp4x2")
@@ -862,8 +862,7 @@ def build(model, name, lr=1.5e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8,
     update is scaled to AdamW's RMS (update_scale 'rms'). For ablations, ns (NS_PRECISIONS)
     replaces the Muon family's Newton-Schulz precision and states (ROOT_STATES) its momentum's
     format, the AdamW part's too ('nvfp4' or 'nvfp4x2': AdamW's NVFP4 m and v; 'fp32' or 'bf16':
-    torch's FP32 AdamW). root_hyper goes
-    to ROOT (momentum, ns_steps, ...)."""
+    torch's FP32 AdamW). root_hyper goes to ROOT (momentum, ns_steps, ...)."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
     if ns is not None and (name not in ("muon", "root", "root_fp4") or ns not in NS_PRECISIONS):

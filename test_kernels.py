@@ -398,15 +398,17 @@ def test_blackwell_sr_uses_cvt_rs_only_where_it_exists(tmp_path):
 # warp-cooperative MXFP4 rows path (mx_chunk) and the one-thread-per-group path (quant_group).
 EMU_CPP = r"""
 // Host emulation of kernels.cu's MXFP4 paths: the device functions compiled as host C++, warp
-// shuffles between 4 host threads (one per lane of a quad) through a spin barrier.
+// shuffles between 4 host threads (one per lane of a quad) through a blocking barrier (a spinning
+// one starved when the 4 threads shared 2 busy cores: one case took > 120 s instead of 0.1 s).
 #include <algorithm>
-#include <atomic>
 #include <cfenv>
+#include <condition_variable>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <thread>
 #include <vector>
 #include <string>
@@ -442,13 +444,16 @@ template <class T> static inline T atomicMax(T* p, T v) { T o = *p; *p = std::ma
 
 // quad emulation
 static thread_local int t_lane = 0;
-static std::atomic<int> bar_count{0}, bar_gen{0};
+static std::mutex bar_m;
+static std::condition_variable bar_cv;
+static int bar_count = 0, bar_gen = 0;
 static float slot[4];
 static int pslot[4];
-static void barrier() {
-  int gen = bar_gen.load();
-  if (bar_count.fetch_add(1) == 3) { bar_count.store(0); bar_gen.fetch_add(1); }
-  else while (bar_gen.load() == gen) std::this_thread::yield();
+static void barrier() {  // the mutex also orders the slot writes before the reads after it
+  std::unique_lock<std::mutex> lock(bar_m);
+  int gen = bar_gen;
+  if (++bar_count == 4) { bar_count = 0; ++bar_gen; bar_cv.notify_all(); }
+  else bar_cv.wait(lock, [gen] { return bar_gen != gen; });
 }
 static float shfl_xor(float v, int m) { slot[t_lane] = v; barrier(); float r = slot[t_lane ^ m]; barrier(); return r; }
 static bool any_sync(bool p) { pslot[t_lane] = p; barrier(); bool r = pslot[0] | pslot[1] | pslot[2] | pslot[3]; barrier(); return r; }
