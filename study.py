@@ -250,14 +250,16 @@ def corpus(cfg):
 def estimate_s(run, cfg, records, directory, jobs=1):
     """Projected wall seconds of a run, for the budget: the median tokens/s and fixed cost
     (compile, evals) of finished runs of the same size and recipe (and variant, where there are
-    such runs: a variant can train at another speed) run `jobs` at a time; else
+    such runs: a variant can train at another speed; else runs of the same train config under
+    another name) run `jobs` at a time; else
     of any such runs, or of the 30M train.py runs beside the study (results/<gpu>/
     train_30m_<recipe>.json, eager, 16K-token steps; the slowest of them for a recipe without
     one) scaled by FLOPs a token, plus 120 s, times jobs (sharing the GPU assumed to gain nothing)."""
     tokens = cfg['max_iters'] * step_tokens(cfg)
     same = [r for r in records.values() if r['status'] == 'ok' and r['model_size'] == run.size
             and r['recipe'] == run.recipe and r['tokens_per_s']]
-    same = [r for r in same if r.get('group') == run.group] or same  # a variant's own runs first
+    same = ([r for r in same if r.get('group') == run.group]  # a variant's own runs first, then runs
+            or [r for r in same if _same_speed(r.get('train_config', {}), cfg)] or same)  # of the same config
     same_jobs = [r for r in same if r.get('jobs', 1) == jobs]
     if same_jobs or same:
         rs = same_jobs or same
@@ -273,6 +275,13 @@ def estimate_s(run, cfg, records, directory, jobs=1):
     tps30 = measured.get(run.recipe, min(measured.values(), default=1e5))
     scale = flops_per_token(run.size, cfg['block_size']) / flops_per_token('30m', cfg['block_size'])
     return (120.0 + tokens / (tps30 / scale)) * jobs
+
+# train.py settings that do not change a step's speed (or that old records lack: compile_mode)
+NOT_SPEED = ('seed', 'max_iters', 'eval_interval', 'eval_iters', 'log_interval', 'eval_split_tokens', 'compile_mode')
+
+def _same_speed(recorded, cfg):
+    """A finished run's train_config trains at cfg's speed: every recorded setting that bears on it equal."""
+    return bool(recorded) and all(cfg.get(k) == v for k, v in recorded.items() if k not in NOT_SPEED)
 
 def flops_per_token(size, block_size, vocab_size=100352):
     """6 N for the weights (lm_head included) + 6 L T d for causal attention: a scale only."""

@@ -367,6 +367,12 @@ def test_estimate_from_finished_runs(tmp_path):
                      tokens=5e7, wall_s=2100.0, jobs=1)  # 2000 s training + 100 s fixed
     assert study.estimate_s(slow, study.train_config(slow), done, str(tmp_path)) == pytest.approx(100 + tokens / 2.5e4)
     assert study.estimate_s(run, cfg, {'a': done['a']}, str(tmp_path)) == pytest.approx(100 + tokens / 1e5)
+    # a new name for the same train config (root_fp4 after a code change): that config's runs
+    done['b']['train_config'] = {k: v for k, v in study.train_config(slow).items() if k != 'out_dir'}
+    renamed = study.grid(['quartet'], [1], ['30m'], [25e6], variant='root_fp4_new', flags=('--optimizer=root_fp4',))[0]
+    assert study.estimate_s(renamed, study.train_config(renamed), done, str(tmp_path)) == pytest.approx(100 + tokens / 2.5e4)
+    other = study.grid(['quartet'], [0], ['30m'], [25e6], variant='muon', flags=('--optimizer=muon',))[0]
+    assert study.estimate_s(other, study.train_config(other), done, str(tmp_path)) == pytest.approx(100 + tokens / 6.25e4)
     # no study run yet: train.py's 30M result beside the study directory, plus 120 s
     with open(tmp_path / 'train_30m_quartet.json', 'w') as f:
         json.dump(dict(tokens_per_s=2e5), f)
