@@ -205,7 +205,7 @@ def section_states(args):
 # ---------------------------------------------------------------------------------------------
 # root_states: the format of ROOT's momentum (optim.ROOT_STATES), decided by measurement
 
-ROOT_STATE_COLS = ("shape", "noise", "state", "ns", "update_cos", "momentum_rel_err", "lm_val")
+ROOT_STATE_COLS = ("shape", "noise", "optimizer", "state", "ns", "update_cos", "momentum_rel_err", "lm_val")
 ROOT_STATE_ROWS = [("fp32", "bf16"), ("bf16", "bf16"), ("nvfp4", "bf16"), ("nvfp4x2", "bf16"), ("fp32", "nvfp4"),
                    ("nvfp4x2", "nvfp4")]
 
@@ -265,12 +265,19 @@ def section_root_states(args):
     if args.root_lm and get is None:
         print("  data/pycode not prepared: no tiny-LM runs (python data/pycode/prepare.py)")
     seeds = [int(s) for s in args.root_lm_seeds.split(",")]
-    for state, ns in [r for r in ROOT_STATE_ROWS if f"{r[0]}/{r[1]}" in args.root_lm_rows.split(",")] if get else []:
-        # state= goes to ROOT alone (states= would turn the AdamW part's states to NVFP4 too)
-        make = lambda net: optim.build(net, "root", lr=3e-3, state=state, ns=ns)  # noqa: E731
+    for entry in [e for e in args.root_lm_rows.split(",") if e] if get else []:
+        if "/" in entry:  # state/ns: ROOT's momentum alone (states= would put the AdamW part in NVFP4 too)
+            state, ns = entry.split("/")
+            make = lambda net: optim.build(net, "root", lr=3e-3, state=state, ns=ns)  # noqa: E731
+        else:  # an optim.build() name as it stands, e.g. root_fp4 (its AdamW part included), or with
+            name, *kv = entry.split(":")  # build() keywords: root_fp4:ns=bf16:state=fp32
+            kw = dict(x.split("=") for x in kv)
+            preset = optim.build(torch.nn.Linear(16, 16), name, **kw).parts[0].defaults
+            state, ns = preset.get("state"), preset.get("ns")
+            make = lambda net: optim.build(net, name, lr=3e-3, **kw)  # noqa: E731
         val = [_tiny_lm_run(get, args.root_lm, s, 3e-3, make_opt=make)[2] for s in seeds]
-        rows.append(dict(shape="tiny LM", noise=None, state=state, ns=ns, lm_steps=args.root_lm,
-                         lm_val=[round(v, 4) for v in val]))
+        rows.append(dict(shape="tiny LM", noise=None, state=state, ns=ns, optimizer="root" if "/" in entry else entry,
+                         lm_steps=args.root_lm, lm_val=[round(v, 4) for v in val]))
         print_table_row(rows[-1], ROOT_STATE_COLS)
     return rows
 
@@ -580,7 +587,8 @@ def parse(argv=None):
     ap.add_argument("--root-lm", type=int, default=0, help="root_states: also train the tiny LM this many steps per format and seed")
     ap.add_argument("--root-lm-seeds", default="0,1", help="root_states: the tiny LM's seeds")
     ap.add_argument("--root-lm-rows", default=",".join(f"{a}/{b}" for a, b in ROOT_STATE_ROWS),
-                    help="root_states: the tiny LM's (state/ns) pairs")
+                    help="root_states: the tiny LM's rows: state/ns pairs (ROOT's momentum alone) or optim.build "
+                         "names, with keywords as name:key=value (root_fp4:ns=bf16:state=fp32: its AdamW part alone in FP4)")
     ap.add_argument("--ckpt", default=None, help="lora_rank: a train.py checkpoint: measure its block linears too")
     ap.add_argument("--ranks", default="8,16,32,64,128", help="lora_rank: comma list of ranks")
     ap.add_argument("--tokens", type=int, default=1024, help="lora_rank: rows of X (a multiple of 128)")

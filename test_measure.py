@@ -160,9 +160,10 @@ def test_root_states_rows(tmp_path):
 
 
 def test_root_states_lm_sets_the_momentum_alone(monkeypatch):
-    """--root-lm trains the tiny LM with ROOT's momentum in the row's format and the AdamW part as
-    in plain root (torch's, FP32): build(states=) would have put that part in NVFP4 too, a second
-    change on a model 40% embeddings (the first numbers of the README's table were made so)."""
+    """--root-lm trains the tiny LM with ROOT's momentum in a state/ns row's format and the AdamW
+    part as in plain root (torch's, FP32): build(states=) would have put that part in NVFP4 too, a
+    second change on a model 40% embeddings (the first numbers of the README's table were made
+    so). A row named by build() (root_fp4) runs that optimizer as it stands."""
     import optim
     seen = []
 
@@ -179,9 +180,12 @@ def test_root_states_lm_sets_the_momentum_alone(monkeypatch):
     monkeypatch.setattr(measure, "_lm_batches", lambda: fake_get)
     monkeypatch.setattr(measure, "_tiny_lm_run", run)
     rows = measure.section_root_states(SimpleNamespace(root_shapes="", root_steps=0, root_lm=2, root_lm_seeds="0",
-                                                       root_lm_rows="nvfp4x2/bf16"))
-    assert [(r["state"], r["ns"], len(r["lm_val"])) for r in rows] == [("nvfp4x2", "bf16", 1)]
+                                                       root_lm_rows="nvfp4x2/bf16,root_fp4"))
+    assert [(r["optimizer"], r["state"], r["ns"], len(r["lm_val"])) for r in rows] == [
+        ("root", "nvfp4x2", "bf16", 1), ("root_fp4", "bf16", "nvfp4", 1)]
     root, adamw = seen[0].parts
     assert isinstance(adamw, torch.optim.AdamW) and not isinstance(adamw, optim.AdamW)
     assert root.defaults["state"] == "nvfp4x2"
     assert all("momentum_residual" in st for st in root.state.values())
+    root, adamw = seen[1].parts  # a build() name as it stands: root_fp4's AdamW part in NVFP4
+    assert isinstance(adamw, optim.AdamW) and adamw.defaults["state"] == "nvfp4"
