@@ -697,14 +697,16 @@ def fmt_gap(gap):
         return f"{100 * gap['rel']:+.2f}%", 'one seed: none'
     return f"{100 * gap['rel']:+.2f}%", f"[{100 * gap['rel_lo']:+.2f}%, {100 * gap['rel_hi']:+.2f}%]"
 
-def within(gap, size, tokens, group, rows):
-    """' (sd X%: within|outside)' for a gap against `group`'s runs of the same cell: the seed sd of
-    that group relative to its mean, and whether the gap's mean is inside it; '' without 2 seeds."""
-    ref = next((r for r in rows if (r['size'], r['tokens'], r['group']) == (size, tokens, group)), None)
-    if not gap or gap['n'] < 2 or ref is None or not np.isfinite(ref['sd']):
-        return ''
-    sd = ref['sd'] / ref['mean']
-    return f" (sd {100 * sd:.2f}%: {'within' if abs(gap['rel']) <= sd else 'outside'})"
+def gap_cells(gap, against, row, rows):
+    """(gap, interval) as fmt_gap, the gap followed by ' (sd X%: within|outside)': the seed sd of
+    `against`'s runs in row's cell, relative to their mean, and whether the mean gap is inside it
+    (the issues' "within the seed spread"); no sd without 2 seeds."""
+    text, interval = fmt_gap(gap)
+    ref = next((r for r in rows if (r['size'], r['tokens'], r['group']) == (row['size'], row['tokens'], against)), None)
+    if gap and gap['n'] >= 2 and ref is not None and np.isfinite(ref['sd']):
+        sd = ref['sd'] / ref['mean']
+        text += f" (sd {100 * sd:.2f}%: {'within' if abs(gap['rel']) <= sd else 'outside'})"
+    return text, interval
 
 def fmt_eval(row):
     return 'whole split' if row['eval'] == 'split' else f"per-seed batches, SE {row['eval_se']:.4f}"
@@ -895,11 +897,10 @@ def report(directory, exponents='auto', n_boot=200, log=print):
                '(root_fp4 against root), paired by seed:', '',
                '| size | tokens | variant | gap | 95% interval | twin | gap to twin | 95% interval |',
                '|---|---|---|---|---|---|---|---|']
-        md += [f"| {r['size']} | {tokens_label(r['tokens'])} | {r['group']} | "
-               f"{fmt_gap(r['vs_base'])[0]}{within(r['vs_base'], r['size'], r['tokens'], r['group'].partition('+')[0], rows)}"
-               f" | {fmt_gap(r['vs_base'])[1]} | {r.get('twin', '—')} | "
-               f"{fmt_gap(r.get('vs_twin'))[0]}{within(r.get('vs_twin'), r['size'], r['tokens'], r.get('twin'), rows)}"
-               f" | {fmt_gap(r.get('vs_twin'))[1]} |" for r in variants]
+        for r in variants:
+            cells = (gap_cells(r['vs_base'], r['group'].partition('+')[0], r, rows) + (r.get('twin', '—'),)
+                     + gap_cells(r.get('vs_twin'), r.get('twin'), r, rows))
+            md.append(f"| {r['size']} | {tokens_label(r['tokens'])} | {r['group']} | {' | '.join(cells)} |")
         md += ['', '(sd: the seed sd of what the gap is against, relative to its mean; "within" where the '
                'mean gap is no larger: the issues\' "within the seed spread")']
         md.append('')
