@@ -246,11 +246,22 @@ def momentum_replay(shape, noise, steps, seed=0, beta=0.95):
     return {row: (sum(cos[row]) / len(cos[row]), sum(err[row]) / len(err[row])) for row in ROOT_STATE_ROWS}
 
 
+def lm_entry(entry):
+    """A --root-lm-rows entry -> (optim.build name, keywords). 'S/N': root with ROOT's momentum in
+    S and Newton-Schulz in N, the AdamW part FP32 (build(states=S) would put it in NVFP4 too);
+    'name' or 'name:key=value:...': that optimizer as build() makes it, e.g. root_fp4, or
+    root_fp4:ns=bf16:state=fp32 (its AdamW part alone in FP4)."""
+    if "/" in entry:
+        state, ns = entry.split("/")
+        return "root", dict(state=state, ns=ns)
+    name, *kv = entry.split(":")
+    return name, dict(x.split("=") for x in kv)
+
+
 def section_root_states(args):
     """Rows per (shape, gradient noise, momentum state, Newton-Schulz precision): momentum_replay's
     update cosine and momentum error; with --root-lm N also the tiny LM's val loss after N steps
-    of optim.build('root', state=..., ns=...) (ROOT's momentum alone; the AdamW part FP32) per seed
-    of --root-lm-seeds, for the (state, ns) pairs of --root-lm-rows."""
+    of the optimizers of --root-lm-rows (lm_entry) per seed of --root-lm-seeds."""
     import optim
     rows = []
     for shape in [tuple(int(d) for d in s.split("x")) for s in args.root_shapes.split(",") if s]:
@@ -266,15 +277,10 @@ def section_root_states(args):
         print("  data/pycode not prepared: no tiny-LM runs (python data/pycode/prepare.py)")
     seeds = [int(s) for s in args.root_lm_seeds.split(",")]
     for entry in [e for e in args.root_lm_rows.split(",") if e] if get else []:
-        if "/" in entry:  # state/ns: ROOT's momentum alone (states= would put the AdamW part in NVFP4 too)
-            state, ns = entry.split("/")
-            make = lambda net: optim.build(net, "root", lr=3e-3, state=state, ns=ns)  # noqa: E731
-        else:  # an optim.build() name as it stands, e.g. root_fp4 (its AdamW part included), or with
-            name, *kv = entry.split(":")  # build() keywords: root_fp4:ns=bf16:state=fp32
-            kw = dict(x.split("=") for x in kv)
-            preset = optim.build(torch.nn.Linear(16, 16), name, **kw).parts[0].defaults
-            state, ns = preset.get("state"), preset.get("ns")
-            make = lambda net: optim.build(net, name, lr=3e-3, **kw)  # noqa: E731
+        name, kw = lm_entry(entry)
+        preset = optim.build(torch.nn.Linear(16, 16), name, **kw).parts[0].defaults
+        state, ns = preset.get("state"), preset.get("ns")
+        make = lambda net: optim.build(net, name, lr=3e-3, **kw)  # noqa: E731
         val = [_tiny_lm_run(get, args.root_lm, s, 3e-3, make_opt=make)[2] for s in seeds]
         rows.append(dict(shape="tiny LM", noise=None, state=state, ns=ns, optimizer="root" if "/" in entry else entry,
                          lm_steps=args.root_lm, lm_val=[round(v, 4) for v in val]))
