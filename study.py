@@ -59,9 +59,11 @@ SETTINGS = dict(block_size=512, batch_size=64, gradient_accumulation_steps=1, ev
                 always_save_checkpoint=False, log_interval=25, loss_chunk=8192, eval_split_tokens=4_000_000,
                 compile_mode='reduce-overhead')
 # settings a run recorded without them is still the same run for: eval_split_tokens adds a
-# measurement after training (such a run lacks that number), compile_mode changes how fast the
-# same kernels are launched (CUDA graphs), not what they compute
-SAME_RUN = ('eval_split_tokens', 'compile_mode')
+# measurement after training (such a run lacks that number)
+SAME_RUN = ('eval_split_tokens',)
+# settings whose every value makes the same run: compile_mode changes how fast the same kernels
+# are launched (CUDA graphs or not), not what they compute
+LAUNCH_ONLY = ('compile_mode',)
 # peak learning rate per size: train.py's 30M default and config/quartet_200m.py's 200M one,
 # interpolated between; not tuned per recipe (the same for all: same-token, same-schedule runs)
 LEARNING_RATE = {'tiny': 4e-3, '30m': 1.5e-3, '50m': 1.25e-3, '100m': 1.1e-3, '200m': 1e-3,
@@ -189,7 +191,7 @@ def split_done(runs, configs, records):
             continue
         old, new = rec['train_config'], comparable(cfg)
         diff = [f'{k}: {old.get(k)!r} -> {new.get(k)!r}' for k in sorted(set(old) | set(new))
-                if old.get(k) != new.get(k) and not (k in SAME_RUN and k not in old)]
+                if old.get(k) != new.get(k) and not (k in SAME_RUN and k not in old) and k not in LAUNCH_ONLY]
         if diff:
             raise ValueError(f"{run.id} exists with another config ({'; '.join(diff)}): give the "
                              'new runs another --variant name or another --results directory')

@@ -109,6 +109,7 @@ config_keys = [k for k, v in globals().items()
 DEFAULTS = {k: globals()[k] for k in config_keys}
 HERE = os.path.dirname(os.path.abspath(__file__))
 COMPILE_MODES = ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs')
+CUDA_GRAPH_MODES = ('reduce-overhead', 'max-autotune')
 _log_path = None  # out_dir/train.log on the master rank, set in main()
 _overrides = {}   # the keys that config files and --key=value set, set in setup()
 _resumed_step = None  # the step of the out_dir/ckpt.pt this run resumed from, set in init_run()
@@ -327,6 +328,17 @@ def evaluating(model):
         finally:
             model.train()
 
+def forward_loss(model, x, y, ctx):
+    """The model's loss on (x, y) under ctx. Under compile_mode 'reduce-overhead' (and the
+    max-autotune one) the compiled model replays CUDA graphs whose outputs live in one shared pool;
+    each forward here is a new step of those graphs, said so first
+    (torch.compiler.cudagraph_mark_step_begin), or the first training backward after an eval reads
+    activations that the eval's replays overwrote (measured on the H200, torch 2.11)."""
+    if compile and compile_mode in CUDA_GRAPH_MODES:
+        torch.compiler.cudagraph_mark_step_begin()
+    with ctx:
+        return model(x, y)[1]
+
 @torch.no_grad()
 def estimate_loss(model, data, ctx, rank):
     """Mean loss over eval_iters fixed batches per split (the same batches every eval)."""
@@ -336,8 +348,7 @@ def estimate_loss(model, data, ctx, rank):
             losses = torch.zeros(eval_iters, device=device)
             for k in range(eval_iters):
                 x, y = get_batch(data[split], (1 + si, k, rank))
-                with ctx:
-                    _, loss = model(x, y)
+                loss = forward_loss(model, x, y, ctx)
                 losses[k] = loss.float()
             mean = losses.mean()
             if dist.is_initialized():
@@ -370,8 +381,7 @@ def split_loss(model, val, ctx, rank, world):
             i = b * per_batch + np.arange(batch_size)[:, None] * block_size + np.arange(block_size + 1)
             win = torch.from_numpy(val[i.ravel()].astype(np.int64).reshape(batch_size, block_size + 1))
             x, y = (t.to(device) for t in (win[:, :-1], win[:, 1:]))
-            with ctx:
-                _, loss = model(x, y)
+            loss = forward_loss(model, x, y, ctx)
             total += loss.double()  # each batch has the same token count: the mean of means is the mean
     if dist.is_initialized():
         dist.all_reduce(total)
@@ -688,8 +698,7 @@ def train_step(model, optimizer, data, it, accum, rank, ctx):
         if isinstance(model, DDP):
             model.require_backward_grad_sync = micro == accum - 1  # all-reduce once, at the end
         x, y = get_batch(data['train'], (0, it, rank * accum + micro))
-        with ctx:
-            _, loss = model(x, y)
+        loss = forward_loss(model, x, y, ctx)
         if it == debug_nan_step:
             loss = loss * float('nan')
         (loss / accum).backward()
