@@ -1088,7 +1088,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8, help="step: sequences per step")
     ap.add_argument("--step-reps", type=int, default=4, help="step: timed steps")
     ap.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
-                    help="step, step_profile: torch.compile's mode (train.py --compile_mode; reduce-overhead: CUDA graphs)")
+                    help="step, step_profile: torch.compile's mode (reduce-overhead: CUDA graphs, which time one fixed-batch step; train.py refuses them: README, Speed)")
     ap.add_argument("--step-variants", default=",".join(STEP_VARIANTS),
                     help="step: comma list (model.RECIPES names, fp8-rowwise, float8-tensorwise, float8-rowwise; '+attn-nvfp4' adds FP4 attention; "
                          "'name:optimizer[:loss_chunk[:recompute]]' is that one row); bf16 first")

@@ -350,6 +350,9 @@ def test_split_eval_and_compile_mode_errors(corpus, tmp_path):
         run(corpus, tmp_path, '--eval_split_tokens=-1')
     with pytest.raises(configurator.ConfigError, match="unknown compile_mode 'fast'.*reduce-overhead"):
         run(corpus, tmp_path, '--compile_mode=fast')
+    for mode in ('reduce-overhead', 'max-autotune'):  # CUDA graphs: refused before any model is built
+        with pytest.raises(configurator.ConfigError, match=f"compile_mode='{mode}' \\(CUDA graphs\\) fails"):
+            run(corpus, tmp_path, '--compile=True', f'--compile_mode={mode}')
     with pytest.raises(SystemExit, match='eval_split_tokens=100: less than one batch'):
         run(corpus, tmp_path, '--recipe=bf16', '--max_iters=2', '--eval_split_tokens=100')
     assert not (tmp_path / 'ckpt.pt').exists()  # stopped before training
