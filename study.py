@@ -892,7 +892,9 @@ def report(directory, exponents='auto', n_boot=200, log=print):
           f'"whole split" = the loss over the same val text for every run (train.py eval_split_tokens); '
           f'"per-seed batches" = the last eval\'s random batches, drawn by the seed (the runs of a seed '
           f'share them), with SE = the standard error of one val loss over them (median over seeds): '
-          f'across seeds that sampling adds to the spread, within a seed\'s pair it cancels.', '',
+          f'across seeds that sampling adds to the spread, within a seed\'s pair it cancels. '
+          f'tokens/s: the runs\' median, often with other runs sharing the GPU (study.py --jobs, or '
+          f'several studies at once): how long runs took, not a speed measurement (bench.py is).', '',
           gap_table(rows), '']
     if variants:
         md += ['Variants against their own recipe, and an `_fp4` variant against its twin without FP4 '
