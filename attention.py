@@ -61,6 +61,7 @@ except ImportError:  # CPU-only installs: the reference runs; the kernels below 
 
 FORMATS = (None, "nvfp4")
 DS_ROUNDINGS = ("sr", "rn")
+BWD_LAYOUTS = ("split", "fused")  # the GPU backward's kernels (_bwd_layout)
 TILE = 64  # the dS scale tile (64 queries x 64 keys); both backward kernels use it as their tile
 E4M3_MAX = 448.0
 LOG2E = 1.4426950408889634
@@ -637,12 +638,17 @@ def _bwd_dq_kernel(Qc, Qs, Qv, Kc, Ks, Kv, Vc, Vs, Vv, Ktc, Kts, Ktv, DO, LSE, D
 
 
 @_jit
-def _bwd_dkdv_kernel(Qc, Qs, Qv, Qtc, Qts, Qtv, Kc, Ks, Kv, Vc, Vs, Vv, DO, LSE, DELTA, DK, DV, CST, SEED,
-                     T, T16, TP, H, GROUP, ROWS,
+def _bwd_dkdv_kernel(Qc, Qs, Qv, Qtc, Qts, Qtv, Kc, Ks, Kv, Vc, Vs, Vv, Ktc, Kts, Ktv, DO, LSE, DELTA,
+                     DQ32, DK, DV, CST, SEED, T, T16, TP, H, GROUP, QROWS, KROWS,
                      D: tl.constexpr, BD: tl.constexpr, CAUSAL: tl.constexpr, SR: tl.constexpr,
-                     CODES: tl.constexpr, INTERP: tl.constexpr):
+                     CODES: tl.constexpr, INTERP: tl.constexpr, FUSED_DQ: tl.constexpr):
     """dK, dV for 64 keys of one kv head: loop over the group's q heads and 64-query tiles,
-    dV += bf16(P)^T dO, dK += Qq(dS)^T qt^."""
+    dV += bf16(P)^T dO, dK += Qq(dS)^T qt^.
+    FUSED_DQ (FP4_ATTENTION_BWD=fused): each tile's share of dQ too, Qk(dS) kt^ added into DQ32
+    (FP32, zeroed) by atomics, as FlashAttention-2's backward does, so that S, P and dP are computed
+    once per tile rather than again in _bwd_dq_kernel. Qk(dS) quantizes the transposed tile along
+    the keys with _bwd_dq_kernel's random bytes (layout index and key); the FP32 sums of dQ run in
+    the atomics' order, which varies between runs. Otherwise Ktc, Kts, Ktv and DQ32 are unused."""
     BM: tl.constexpr = 64
     BN: tl.constexpr = 64
     pid_n, bkv = tl.program_id(0), tl.program_id(1)
@@ -651,6 +657,8 @@ def _bwd_dkdv_kernel(Qc, Qs, Qv, Qtc, Qts, Qtv, Kc, Ks, Kv, Vc, Vs, Vv, DO, LSE,
     d = tl.arange(0, BD)
     k = _rows_tile(Kc, Ks, Kv, bkv * T, n_idx, d, T, D, CODES)
     v = _rows_tile(Vc, Vs, Vv, bkv * T, n_idx, d, T, D, CODES)
+    if FUSED_DQ:
+        kt = _tokens_tile(Ktc, Kts, Ktv, bkv * T16, n_idx, d, T, KROWS, D, CODES)  # (BN, BD)
     c2, gv, sgqt = tl.load(CST + 1), tl.load(CST + 2), tl.load(CST + 3)
     seed = tl.load(SEED).to(tl.uint32)
     dk = tl.zeros((BN, BD), tl.float32)
@@ -664,10 +672,10 @@ def _bwd_dkdv_kernel(Qc, Qs, Qv, Qtc, Qts, Qtv, Kc, Ks, Kv, Vc, Vs, Vv, DO, LSE,
         for m0 in range(lo, T, BM):
             m_idx = m0 + tl.arange(0, BM)
             mask = _tile_mask(m_idx, d, T, D)
+            off = (bh * T).to(tl.int64) * D + (m_idx[:, None] * D + d[None, :])
             q = _rows_tile(Qc, Qs, Qv, bh * T, m_idx, d, T, D, CODES)
-            qt = _tokens_tile(Qtc, Qts, Qtv, bh * T16, m_idx, d, T, ROWS, D, CODES)
-            do = tl.load(DO + (bh * T).to(tl.int64) * D + (m_idx[:, None] * D + d[None, :]), mask=mask, other=0.0)
-            do = _rn_bf16(do.to(tl.float32), INTERP)
+            qt = _tokens_tile(Qtc, Qts, Qtv, bh * T16, m_idx, d, T, QROWS, D, CODES)
+            do = _rn_bf16(tl.load(DO + off, mask=mask, other=0.0).to(tl.float32), INTERP)
             lse2 = tl.load(LSE + bh * T + m_idx, mask=m_idx < T, other=float("inf")) * 1.4426950408889634
             delta = tl.load(DELTA + bh * T + m_idx, mask=m_idx < T, other=0.0)
             # the transposed tiles (BN keys, BM queries) directly: no transposes in registers
@@ -680,6 +688,11 @@ def _bwd_dkdv_kernel(Qc, Qs, Qv, Qtc, Qts, Qtv, Kc, Ks, Kv, Vc, Vs, Vv, DO, LSE,
             ds_t = p_t * (_dot(v, tl.trans(do), INTERP) * gv - delta[None, :])
             n = n_idx.to(tl.uint32)[:, None] * TP + m_idx.to(tl.uint32)[None, :]
             dk += _dot(_quant_ds(ds_t, n, key, BN, BM, SR), qt, INTERP)
+            if FUSED_DQ:
+                key_q = _hash_key(seed, (2 * bh).to(tl.uint32))
+                n_q = m_idx.to(tl.uint32)[:, None] * TP + n_idx.to(tl.uint32)[None, :]
+                dq = _dot(_quant_ds(tl.trans(ds_t), n_q, key_q, BM, BN, SR), kt, INTERP)  # (BM, BD)
+                tl.atomic_add(DQ32 + off, dq, mask=mask, sem="relaxed")  # a sum: no ordering needed
     mask = _tile_mask(n_idx, d, T, D)
     off = (bkv * T).to(tl.int64) * D + (n_idx[:, None] * D + d[None, :])
     _store(DK + off, dk * sgqt, mask, INTERP)
@@ -733,6 +746,16 @@ def triton_forward(qq, kq, vq, causal, scale, dtype, bm=128, bn=64, num_warps=8,
     return o, lse
 
 
+def _bwd_layout():
+    """FP4_ATTENTION_BWD: 'split' (default: a dQ kernel and a dK/dV kernel, each recomputing S, P and
+    dP) or 'fused' (one kernel, dQ by FP32 atomics). The same numbers up to FP32 summation order;
+    the default stays until bench.py --sections attention has timed both on a GPU."""
+    layout = os.environ.get("FP4_ATTENTION_BWD", "split")
+    if layout not in BWD_LAYOUTS:
+        raise ValueError(f"FP4_ATTENTION_BWD={layout!r}: choose one of {', '.join(BWD_LAYOUTS)}")
+    return layout
+
+
 def triton_backward(do, o, lse, qq, kq, vq, causal, scale, seed, ds_rounding, num_warps=8, num_stages=2):
     """dQ, dK, dV in O's dtype (Triton); seed: an int32 tensor (1,) on the device."""
     b, h, t, d, group, bd = _launch_shape(qq, kq)
@@ -745,17 +768,24 @@ def triton_backward(do, o, lse, qq, kq, vq, causal, scale, seed, ds_rounding, nu
     cst = _constants(scale, qq.tensor_scale, kq.tensor_scale, vq.tensor_scale, qt.tensor_scale, kt.tensor_scale)
     delta = torch.empty(b, h, t, dtype=torch.float32, device=do.device)
     _delta_kernel[(triton.cdiv(b * h * t, 64),)](do, o, delta, b * h * t, D=d, BD=bd, BR=64)
-    dq = torch.empty(b, h, t, d, dtype=o.dtype, device=do.device)
     dk = torch.empty(kq.shape, dtype=o.dtype, device=do.device)
     dv = torch.empty_like(dk)
     ops = [_operand(x, codes) for x in (qq, kq, vq)]
     opt = [_operand(x, codes, tokens=True) for x in (qt, kt)]
     common = dict(D=d, BD=bd, CAUSAL=causal, SR=ds_rounding == "sr", CODES=codes, INTERP=_interpreting(),
                   num_warps=num_warps, num_stages=num_stages)
-    _bwd_dq_kernel[(triton.cdiv(t, TILE), b * h)](
-        *ops[0], *ops[1], *ops[2], *opt[1], do, lse, delta, dq, cst, seed,
-        t, t16, tp, h, group, kt.shape[0], **common)
+    fused = _bwd_layout() == "fused"
+    if fused:
+        dq32 = torch.zeros(b, h, t, d, dtype=torch.float32, device=do.device)
+    else:
+        dq = torch.empty(b, h, t, d, dtype=o.dtype, device=do.device)
+        dq32 = dq  # a placeholder: the dK/dV kernel without FUSED_DQ leaves it alone
+        _bwd_dq_kernel[(triton.cdiv(t, TILE), b * h)](
+            *ops[0], *ops[1], *ops[2], *opt[1], do, lse, delta, dq, cst, seed,
+            t, t16, tp, h, group, kt.shape[0], **common)
     _bwd_dkdv_kernel[(triton.cdiv(t, TILE), b * kq.shape[1])](
-        *ops[0], *opt[0], *ops[1], *ops[2], do, lse, delta, dk, dv, cst, seed,
-        t, t16, tp, h, group, qt.shape[0], **common)
+        *ops[0], *opt[0], *ops[1], *ops[2], *opt[1], do, lse, delta, dq32, dk, dv, cst, seed,
+        t, t16, tp, h, group, qt.shape[0], kt.shape[0], FUSED_DQ=fused, **common)
+    if fused:
+        dq = (dq32 * cst[4]).to(o.dtype)  # _bwd_dq_kernel's final scale and rounding
     return dq, dk, dv

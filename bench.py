@@ -771,6 +771,12 @@ def _attention_variants(attn):
                 os.environ["FP4_ATTENTION_OPERANDS"] = operands
                 return nullcontext()
             variants[f"fp4 nvfp4 ({operands} operands, dS {rnd})"] = (ctx, fp4_attn)
+
+    def fused():  # the one-kernel backward (attention._bwd_layout), default operands
+        os.environ["FP4_ATTENTION_BWD"] = "fused"
+        return nullcontext()
+    variants["fp4 nvfp4 (bf16 operands, dS sr, fused backward)"] = (
+        fused, lambda q, k, v: attn.attention(q, k, v, causal=True, fmt="nvfp4"))
     return variants
 
 
@@ -796,6 +802,7 @@ def section_attention(args):
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
         finally:
             os.environ.pop("FP4_ATTENTION_OPERANDS", None)
+            os.environ.pop("FP4_ATTENTION_BWD", None)
         if "fwd_bwd_ms" in row:
             row["tflops_fwd_bwd"] = round(flops / row["fwd_bwd_ms"] * 1e-9, 1)
             if name.startswith("sdpa"):
@@ -827,8 +834,18 @@ def _fp4_attention_parts(attn, q, k, v, do):
             attn.triton_forward(qq, kq, vq, True, sc, torch.bfloat16, num_warps=w, num_stages=st))
         parts[f"backward (all of it), warps {warps} stages {stages}"] = lambda w=warps, st=stages: (
             attn.triton_backward(do, o, lse, qq, kq, vq, True, sc, seed, "sr", num_warps=w, num_stages=st))
+        parts[f"backward, fused (FP4_ATTENTION_BWD=fused), warps {warps} stages {stages}"] = (
+            lambda w=warps, st=stages: _fused_backward(attn, do, o, lse, qq, kq, vq, sc, seed, w, st))
     return [dict(shape=f"{b}x{h}x{t}x{d} causal", attention=f"fp4 part: {name}", part_ms=round(bench(fn), 3))
             for name, fn in parts.items()]
+
+
+def _fused_backward(attn, do, o, lse, qq, kq, vq, sc, seed, warps, stages):
+    os.environ["FP4_ATTENTION_BWD"] = "fused"
+    try:
+        return attn.triton_backward(do, o, lse, qq, kq, vq, True, sc, seed, "sr", num_warps=warps, num_stages=stages)
+    finally:
+        os.environ.pop("FP4_ATTENTION_BWD", None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1138,7 +1155,7 @@ def code_version():
 
 
 SWITCHES = ("FP4_KERNELS", "FP4_BACKEND", "FP4_FAST_ACCUM_BITS", "FP4_MX_ROWS", "FP4_ATTENTION",
-            "FP4_ATTENTION_OPERANDS", "FP4_ADAMW_FUSED")
+            "FP4_ATTENTION_OPERANDS", "FP4_ATTENTION_BWD", "FP4_ADAMW_FUSED")
 
 
 def switches():

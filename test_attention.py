@@ -303,9 +303,9 @@ KERNEL_CASES = [(1, 2, 1, 80, 32, True, "sr"), (1, 2, 2, 64, 16, False, "rn"),
                 (2, 2, 1, 72, 48, True, "sr"), (1, 4, 2, 130, 32, False, "sr")]
 
 
-def compare_kernels(cases, device, operands=("codes", "bf16")):
+def compare_kernels(cases, device, operands=("codes", "bf16"), layouts=A.BWD_LAYOUTS):
     """Triton forward and backward against the reference on the same saved tensors and seed; returns
-    rows of relative errors (one per case and operand mode) and the modes' outputs."""
+    rows of relative errors (one per case, operand mode and, for the last mode, backward layout)."""
     rows = []
     for b, h, hkv, t, d, causal, rnd in cases:
         q, k, v = qkv(b, h, hkv, t, d, device=device, seed=t + d)
@@ -318,13 +318,17 @@ def compare_kernels(cases, device, operands=("codes", "bf16")):
             os.environ["FP4_ATTENTION_OPERANDS"] = mode
             o, lse = A.triton_forward(qq, kq, vq, causal, sc, torch.bfloat16)
             seed = torch.tensor([1000 + t], dtype=torch.int32, device=device)
-            grads = A.triton_backward(do, o, lse, qq, kq, vq, causal, sc, seed, rnd)
             want = A.reference_backward(do, o, lse, qq, kq, vq, causal, sc, 1000 + t, rnd)
-            outs[mode] = (o, lse) + tuple(grads)
-            rows.append(dict(case=(b, h, hkv, t, d, causal, rnd), operands=mode, o=rel(o, o_r),
-                             lse=float((lse - lse_r).abs().max()), dq=rel(grads[0], want[0]),
-                             dk=rel(grads[1], want[1]), dv=rel(grads[2], want[2])))
+            for layout in layouts if mode == operands[-1] else ("split",):  # the fused backward: one operand mode
+                os.environ["FP4_ATTENTION_BWD"] = layout
+                grads = A.triton_backward(do, o, lse, qq, kq, vq, causal, sc, seed, rnd)
+                if layout == "split":
+                    outs[mode] = (o, lse) + tuple(grads)
+                rows.append(dict(case=(b, h, hkv, t, d, causal, rnd), operands=mode, backward=layout, o=rel(o, o_r),
+                                 lse=float((lse - lse_r).abs().max()), dq=rel(grads[0], want[0]),
+                                 dk=rel(grads[1], want[1]), dv=rel(grads[2], want[2])))
         os.environ.pop("FP4_ATTENTION_OPERANDS", None)
+        os.environ.pop("FP4_ATTENTION_BWD", None)
         if len(outs) == 2:  # the two operand modes feed the same numbers to the same dots
             rows[-1]["modes_equal"] = all(torch.equal(x, y) for x, y in zip(*outs.values()))
     return rows
@@ -334,6 +338,14 @@ def check_rows(rows):
     bad = [r for r in rows if not (r["o"] <= 4e-3 and r["lse"] <= 1e-4 and r["dq"] <= 3e-2 and r["dk"] <= 3e-2
                                    and r["dv"] <= 4e-3 and r.get("modes_equal", True))]
     assert not bad, "kernel vs reference out of tolerance:\n" + "\n".join(map(str, bad))
+
+
+def test_backward_layout_switch(monkeypatch):
+    monkeypatch.setenv("FP4_ATTENTION_BWD", "fused")
+    assert A._bwd_layout() == "fused"
+    monkeypatch.setenv("FP4_ATTENTION_BWD", "one")
+    with pytest.raises(ValueError, match="FP4_ATTENTION_BWD='one': choose one of split, fused"):
+        A._bwd_layout()
 
 
 def _interpreter_main():
