@@ -851,6 +851,24 @@ def _fused_backward(attn, do, o, lse, qq, kq, vq, sc, seed, warps, stages):
 # ---------------------------------------------------------------------------------------------
 # step_profile: where a compiled training step's time goes, by kernel (torch.profiler)
 
+# kernel families of a profile, by name (first match): what bench.py step_profile sums a step's
+# GPU time into; "other" is the rest (copies, torch's elementwise and reduction kernels)
+KERNEL_FAMILIES = (
+    ("fp4 (kernels.cu)", r"\b(quant_rows|quant_cols|quant_rows_fold|fold_mx|rotate_back|dequant|adamw_nvfp4)\b"),
+    ("fp4 attention (Triton)", r"^_(fwd|bwd_dq|bwd_dkdv|delta)_kernel"),
+    ("GEMMs (cuBLAS, CUTLASS)", r"nvjet|gemm|cutlass|xmma|cublas"),
+    ("attention (SDPA)", r"flash|fmha|cudnn|attention"),
+    ("inductor (Triton)", r"^triton_"),
+)
+
+
+def kernel_family(name):
+    for family, pattern in KERNEL_FAMILIES:
+        if re.search(pattern, name):
+            return family
+    return "other"
+
+
 def section_step_profile(args):
     """Per --step-variants row (as `step` takes them, at --model/--seq/--batch, --compile-mode):
     the step's wall time, the GPU's busy time (the kernels' summed device time: less than the wall
@@ -869,13 +887,19 @@ def section_step_profile(args):
         events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
         busy = sum(e.self_device_time_total for e in events) / 2e3  # ms a step
         top = sorted(events, key=lambda e: -e.self_device_time_total)[:8]
+        families = {}
+        for e in events:
+            f = kernel_family(e.key)
+            families[f] = families.get(f, 0.0) + e.self_device_time_total / 2e3
         row = dict(model=args.model, variant=variant, optimizer=optimizer, loss_chunk=chunk, recompute=recompute,
                    compile_mode=args.compile_mode, ms=round(ms, 1), gpu_busy_ms=round(busy, 1),
                    busy_share=round(busy / ms, 3), tokens_per_s=round(args.batch * args.seq / ms * 1e3),
+                   family_ms={f: round(v, 2) for f, v in sorted(families.items(), key=lambda kv: -kv[1])},
                    top_kernels=[dict(name=e.key[:90], ms=round(e.self_device_time_total / 2e3, 2),
                                      calls=e.count // 2) for e in top])
         rows.append(row)
-        print(f"  {variant} {optimizer}: {ms:.1f} ms a step, GPU busy {busy:.1f} ms ({100 * busy / ms:.0f}%)")
+        print(f"  {variant} {optimizer}: {ms:.1f} ms a step, GPU busy {busy:.1f} ms ({100 * busy / ms:.0f}%); "
+              + ", ".join(f"{f} {v}" for f, v in row["family_ms"].items()))
         for k in row["top_kernels"]:
             print(f"      {k['ms']:8.2f} ms  x{k['calls']:<4} {k['name']}")
         del net, opt, step

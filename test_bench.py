@@ -147,6 +147,18 @@ def test_moved_sections_point_to_measure(monkeypatch, argv):
         bench.main()
 
 
+def test_kernel_families():
+    names = {  # profiler names as torch 2.11 gives them on the H200 (results/nvidia-h200/session7)
+        'void quant_cols<1, 128, true, 0, 2>(void const*, unsigned char const*, float const*, unsig': 'fp4 (kernels.cu)',
+        'void quant_rows_fold<1, 1, 0>(void const*, unsigned int': 'fp4 (kernels.cu)',
+        '_bwd_dkdv_kernel': 'fp4 attention (Triton)',
+        'nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_TNT': 'GEMMs (cuBLAS, CUTLASS)',
+        'triton_red_fused__softmax__to_copy_0': 'inductor (Triton)',
+        'void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native:': 'other',
+    }
+    assert {n: bench.kernel_family(n) for n in names} == names
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
 def test_step_profile_on_gpu():
     """bench.py --sections step_profile: per row the step's time, the GPU's busy share and its
@@ -157,3 +169,5 @@ def test_step_profile_on_gpu():
     for r in rows:
         ms = [k['ms'] for k in r['top_kernels']]
         assert 0 < r['gpu_busy_ms'] < 1.5 * r['ms'] and ms == sorted(ms, reverse=True) and ms[0] > 0, r
+        assert abs(sum(r['family_ms'].values()) - r['gpu_busy_ms']) < 0.05 * r['gpu_busy_ms'], r
+    assert rows[1]['family_ms'].get('fp4 (kernels.cu)', 0) > 0  # quartet's quantizations, found by name
