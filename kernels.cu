@@ -1575,6 +1575,8 @@ template __global__ void quant_rows<0, 8, false, 0, 0>(const void*, u32, u32, in
 template __global__ void quant_rows<1, 32, false, 1, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_rows<1, 32, false, 0, 1>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_rows<0, 128, true, 0, 2>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<1, 128, true, 0, 2, 4>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<0, 128, true, 0, 1, 4>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_rows<2, 16, true, 2, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_rows<1, 16, true, 0, 1>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_cols<1, 32, false, 0, 1>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);

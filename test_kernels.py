@@ -171,13 +171,22 @@ NV_CASES = [  # (shape, dtype, rule, rounding, hadamard, signs, block2d, special
     ((3, 256), torch.bfloat16, "absmax", "eden", 128, True, False, True),
     ((129, 384), torch.float32, "absmax", "eden", 128, True, False, False),
     ((5, 128), torch.float16, "absmax", "eden", 0, False, False, True),
+    ((1001, 2048), torch.bfloat16, "absmax", "eden", 128, True, False, True),  # the quad grid's tail
+    ((48, 384), torch.bfloat16, "absmax", "sr", 128, False, False, True),
+    ((64, 256), torch.float32, "four_over_six", "rn", 128, True, False, True),
+    ((64, 256), torch.float32, "absmax", "rn", 128, False, True, True),
+    ((32, 512), torch.bfloat16, "absmax", "eden", 64, True, True, False),
 ]
 
 
 @gpu
 @pytest.mark.parametrize("shape,dtype,rule,rnd,had,signed,block2d,special", NV_CASES)
 @pytest.mark.parametrize("axis", [-1, 0])
-def test_quantize_nv(shape, dtype, rule, rnd, had, signed, block2d, special, axis):
+@pytest.mark.parametrize("layout", ["group", "quad"])  # kernels.nv128_rows_layout: quant_rows' 128-groups
+def test_quantize_nv(shape, dtype, rule, rnd, had, signed, block2d, special, axis, layout, monkeypatch):
+    if layout == "quad" and (axis == 0 or max(16, had, fp4.EDEN_GROUP if rnd == "eden" else 0) != 128):
+        pytest.skip("the quad layout is quant_rows' (axis -1) for 128-groups")
+    monkeypatch.setenv("FP4_NV128_ROWS", layout)
     if axis == 0:
         shape = (shape[1], shape[0])
         if block2d and shape[1] % 16:
@@ -294,6 +303,7 @@ def test_device_seed_matches_host_seed(opts, layout, monkeypatch):
     give the same QTensor as the equal host seed and fp4.random_signs, for quantize, requantize
     and the reference path."""
     monkeypatch.setenv("FP4_MX_ROWS", layout)
+    monkeypatch.setenv("FP4_NV128_ROWS", layout)
     x = rand((256, 384), torch.bfloat16, seed=8, special=True)
     t = torch.tensor([2**31 - 5], dtype=torch.int32, device="cuda")
     dseed, dsigns = fp4.DeviceSeed(t, 17), fp4.DeviceSigns(opts["hadamard"], fp4.DeviceSeed(t, 5))
