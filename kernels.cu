@@ -289,7 +289,8 @@ __device__ __forceinline__ void load_signs(QParams& p, int has_signs, u32 s0, u3
 
 // The signs and the Hadamard of size H (a compile-time constant: the stages are straight-line code;
 // a runtime H compiled into predicated moves around every stage) on each H-block of the group.
-template <int G, int H, bool SG = true>  // SG = false: no signs (p.has_signs is 0)
+// SCALE = false: the butterfly stages only (the quad path's last stages cross lanes; it scales after).
+template <int G, int H, bool SG = true, bool SCALE = true>  // SG = false: no signs (p.has_signs is 0)
 __device__ __forceinline__ void rotate_h(float (&x)[G], const QParams& p) {
   if (SG && p.has_signs) {
     constexpr int C = G < 32 ? G : 32;  // elements a sign word covers (G = 16: one half word)
@@ -315,8 +316,10 @@ __device__ __forceinline__ void rotate_h(float (&x)[G], const QParams& p) {
       }
     }
   }
+  if constexpr (SCALE) {
 #pragma unroll
-  for (int i = 0; i < G; i++) x[i] = __fmul_rn(x[i], p.hs);
+    for (int i = 0; i < G; i++) x[i] = __fmul_rn(x[i], p.hs);
+  }
 }
 
 template <int G>
@@ -497,36 +500,46 @@ __device__ __forceinline__ float nv_err(const float* xb, u32 s, float g) {
   return tree_sum<16>(d);
 }
 
-// NVFP4 (SPEC 2-4): E4M3 scale per 16-block (or 16x16 tile), FP32 tensor scale g.
-template <int G, int RULE, int RND>
-__device__ __forceinline__ void quant_group_nv(float (&x)[G], const QParams& p, u32 orow, u32 ocol) {
-  const u64 base = (u64)orow * p.Kout + ocol;
-  if (p.pass == 1) {  // pre-pass: finite block amax into amax[0]; raw block amax into tiles
-    u32 fm = 0;
+// NVFP4 (SPEC 2-4): E4M3 scale per 16-block (or 16x16 tile), FP32 tensor scale g. The pieces (the
+// pre-pass amax, the per-block encode, MS-EDEN's scale rounding, the store) serve both layouts: one
+// thread a G-group (quant_group_nv) and a lane quad a 128-group (nvq_group). (orow, ocol): the
+// output position of x[0]; G elements, whole 16-blocks.
+
+// Pre-pass: the raw block amax into the block2d tiles; returns the max over the finite blocks.
+template <int G>
+__device__ __forceinline__ u32 nv_prepass_amax(const float* x, const QParams& p, u32 orow, u32 ocol) {
+  u32 fm = 0;
 #pragma unroll
-    for (int b = 0; b < G / 16; b++) {
-      u32 ab = block_amax_bits<16>(x + 16 * b);
-      if (ab < 0x7F800000u) fm = max(fm, ab);
-      if (p.tiles) atomicMax(p.tiles + (u64)(orow / 16) * (p.Kout / 16) + ocol / 16 + b, ab);
-    }
-#ifdef FP4_HOST_EMU
-    if (fm) atomicMax(p.amax, fm);
-#else
-    // one atomic a warp rather than a thread (every thread of a 64M-element tensor hit one
-    // address); a max is order-free, so the tensor scale's bits do not change. The lanes here
-    // are those __activemask sees (a grid loop's or the AdamW kernel's tail may have left).
-    const unsigned active = __activemask();
-    const u32 wm = __reduce_max_sync(active, fm);
-    const u32 lane = (threadIdx.x + threadIdx.y * blockDim.x) & 31u;
-    if (wm && lane == (u32)(__ffs(active) - 1)) atomicMax(p.amax, wm);
-#endif
-    return;
+  for (int b = 0; b < G / 16; b++) {
+    u32 ab = block_amax_bits<16>(x + 16 * b);
+    if (ab < 0x7F800000u) fm = max(fm, ab);
+    if (p.tiles) atomicMax(p.tiles + (u64)(orow / 16) * (p.Kout / 16) + ocol / 16 + b, ab);
   }
+  return fm;
+}
+
+// The finite amax fm (bits) into amax[0].
+__device__ __forceinline__ void nv_amax_atomic(const QParams& p, u32 fm) {
+#ifdef FP4_HOST_EMU
+  if (fm) atomicMax(p.amax, fm);
+#else
+  // one atomic a warp rather than a thread (every thread of a 64M-element tensor hit one
+  // address); a max is order-free, so the tensor scale's bits do not change. The lanes here
+  // are those __activemask sees (a grid loop's or the AdamW kernel's tail may have left).
+  const unsigned active = __activemask();
+  const u32 wm = __reduce_max_sync(active, fm);
+  const u32 lane = (threadIdx.x + threadIdx.y * blockDim.x) & 31u;
+  if (wm && lane == (u32)(__ffs(active) - 1)) atomicMax(p.amax, wm);
+#endif
+}
+
+// The E4M3 scales sc (NaN 0x7F for a NaN/Inf block: badb) and E2M1 codes cw (8 a word, element i
+// in nibble i % 8) of G elements, rounding RND (MS-EDEN: its RN codes; the scales are corrected after).
+template <int G, int RULE, int RND>
+__device__ __forceinline__ void nv_encode(const float* x, const QParams& p, u32 orow, u32 ocol, float g,
+                                          u32 (&cw)[G / 8], u32 (&sc)[G / 16], bool (&badb)[G / 16]) {
+  const u64 base = (u64)orow * p.Kout + ocol;
   const u32 key = RND == ROUND_SR ? sr_key(p.seed, p.key0, base) : 0u;
-  const float g = *p.g;
-  u32 cw[G / 8];
-  u32 sc[G / 16];
-  bool badb[G / 16];
 #pragma unroll
   for (int b = 0; b < G / 16; b++) {
     const float* xb = x + 16 * b;
@@ -574,6 +587,53 @@ __device__ __forceinline__ void quant_group_nv(float (&x)[G], const QParams& p, 
     sc[b] = s;
     badb[b] = bad;
   }
+}
+
+// The RN value q = (code * scale) * g of element e of a run of codes cw and scales sc (fp4._nv_dequant_blocks).
+__device__ __forceinline__ float nv_value(const u32* cw, const u32* sc, int e, float g) {
+  const u32 c = (cw[e / 8] >> (4 * (e % 8))) & 15u;
+  return __fmul_rn(__fmul_rn(e2m1_dec(c), e4m3_dec(sc[e / 16])), g);
+}
+
+// MS-EDEN's scales (fp4._eden_scales) for NB 16-blocks starting at output (orow, ocol) of one
+// 128-group with sums num = sum(x x), den = sum(x q): c = num / den (1 for a zero or non-finite
+// group), each scale s becomes SR_E4M3(s c) with uniform(seed, block index); NaN blocks keep 0x7F.
+template <int NB>
+__device__ __forceinline__ void nv_eden_scales(u32* sc, const bool* badb, float num, float den, const QParams& p,
+                                               u32 orow, u32 ocol) {
+  float c = __fdiv_rn(num, den);
+  if (!(fabsf(c) <= 3.402823466e+38f && den > 0.0f)) c = 1.0f;
+  const u64 nb = p.Kout / 16;
+#pragma unroll
+  for (int b = 0; b < NB; b++) {
+    u64 bi = (u64)orow * nb + ocol / 16 + b;
+    u32 bkey = (bi >> 32) ? hash_key(p.seed, (u32)(bi >> 32)) : p.key0;
+    float t = __fmul_rn(e4m3_dec(sc[b]), c);
+    u32 s2 = e4m3_enc_sr(t, uniform_at(bkey, (u32)bi));
+    sc[b] = badb[b] ? 0x7Fu : s2;
+  }
+}
+
+template <int G>
+__device__ __forceinline__ void nv_store(const QParams& p, u32 orow, u32 ocol, const u32 (&cw)[G / 8],
+                                         const u32 (&sc)[G / 16]) {
+#pragma unroll
+  for (int b = 0; b < G / 16; b++) p.scales[(u64)orow * (p.Kout / 16) + ocol / 16 + b] = (u8)sc[b];
+  store_bytes<G / 2>(p.codes + (((u64)orow * p.Kout + ocol) >> 1), cw);
+}
+
+// NVFP4, one thread a G-group.
+template <int G, int RULE, int RND>
+__device__ __forceinline__ void quant_group_nv(float (&x)[G], const QParams& p, u32 orow, u32 ocol) {
+  if (p.pass == 1) {  // pre-pass: finite block amax into amax[0]; raw block amax into tiles
+    nv_amax_atomic(p, nv_prepass_amax<G>(x, p, orow, ocol));
+    return;
+  }
+  const float g = *p.g;
+  u32 cw[G / 8];
+  u32 sc[G / 16];
+  bool badb[G / 16];
+  nv_encode<G, RULE, RND>(x, p, orow, ocol, g, cw, sc, badb);
   if constexpr (G % 128 == 0) {
     if constexpr (RND == ROUND_EDEN) {  // MS-EDEN (fp4._eden_scales): per 128-group correction into the scales
 #pragma unroll
@@ -597,33 +657,17 @@ __device__ __forceinline__ void quant_group_nv(float (&x)[G], const QParams& p, 
         for (int j = 0; j < 32; j++) {
           float q[4];
 #pragma unroll
-          for (int k = 0; k < 4; k++) {
-            const int e = j + 32 * k;
-            const u32 c = (cg[e / 8] >> (4 * (e % 8))) & 15u;
-            q[k] = __fmul_rn(__fmul_rn(e2m1_dec(c), e4m3_dec(sg[e / 16])), g);
-          }
+          for (int k = 0; k < 4; k++) q[k] = nv_value(cg, sg, j + 32 * k, g);
           const float a = __fadd_rn(__fmul_rn(xg[j], q[0]), __fmul_rn(xg[j + 64], q[2]));
           const float b = __fadd_rn(__fmul_rn(xg[j + 32], q[1]), __fmul_rn(xg[j + 96], q[3]));
           u[j] = __fadd_rn(a, b);
         }
         float den = tree_sum<32>(u);
-        float c = __fdiv_rn(num, den);
-        if (!(fabsf(c) <= 3.402823466e+38f && den > 0.0f)) c = 1.0f;
-        const u64 nb = p.Kout / 16;
-#pragma unroll
-        for (int b = 8 * gi; b < 8 * gi + 8; b++) {
-          u64 bi = (u64)orow * nb + ocol / 16 + b;
-          u32 bkey = (bi >> 32) ? hash_key(p.seed, (u32)(bi >> 32)) : p.key0;
-          float t = __fmul_rn(e4m3_dec(sc[b]), c);
-          u32 s2 = e4m3_enc_sr(t, uniform_at(bkey, (u32)bi));
-          sc[b] = badb[b] ? 0x7Fu : s2;
-        }
+        nv_eden_scales<8>(sc + 8 * gi, badb + 8 * gi, num, den, p, orow, ocol + 128 * gi);
       }
     }
   }
-#pragma unroll
-  for (int b = 0; b < G / 16; b++) p.scales[(u64)orow * (p.Kout / 16) + ocol / 16 + b] = (u8)sc[b];
-  store_bytes<G / 2>(p.codes + (base >> 1), cw);
+  nv_store<G>(p, orow, ocol, cw, sc);
 }
 
 template <int G, bool NV, int RULE, int RND>
@@ -656,27 +700,29 @@ struct MxArgs {
   u8* mask;        // (chunks) bytes, or null
 };
 
-// Butterfly across lanes at stride 8 (m = 1) or 16 (m = 2): the lower lane of the pair holds a,
-// the upper b; lower gets a + b = fma(a, 1, b), upper a - b = fma(b, -1, a) (both exact-product
-// single roundings, identical to the add / subtract).
-__device__ __forceinline__ void butterfly_x(float (&x)[8], int m, bool upper) {
+// Butterfly across lanes at stride N (m = 1) or 2N (m = 2), N elements a lane: the lower lane of
+// the pair holds a, the upper b; lower gets a + b = fma(a, 1, b), upper a - b = fma(b, -1, a) (both
+// exact-product single roundings, identical to the add / subtract).
+template <int N>
+__device__ __forceinline__ void butterfly_x(float (&x)[N], int m, bool upper) {
   const float sgn = upper ? -1.0f : 1.0f;
 #pragma unroll
-  for (int i = 0; i < 8; i++) {
+  for (int i = 0; i < N; i++) {
     float p = shfl_xor(x[i], m);
     x[i] = __fmaf_rn(x[i], sgn, p);
   }
 }
 
-// Halving-tree sum of the quad's 32 values (x[i] is block element 8q + i): every lane gets it.
-// Stage j + 16 pairs lanes q, q ^ 2; j + 8 pairs q, q ^ 1 (a + b == b + a exactly).
-__device__ __forceinline__ float quad_tree_sum(const float (&x)[8]) {
-  float t[8];
+// Halving-tree sum of the quad's 4N values (x[i] is element Nq + i): every lane gets it.
+// Stage j + 2N pairs lanes q, q ^ 2; j + N pairs q, q ^ 1 (a + b == b + a exactly).
+template <int N>
+__device__ __forceinline__ float quad_tree_sum(const float (&x)[N]) {
+  float t[N];
 #pragma unroll
-  for (int i = 0; i < 8; i++) t[i] = __fadd_rn(x[i], shfl_xor(x[i], 2));
+  for (int i = 0; i < N; i++) t[i] = __fadd_rn(x[i], shfl_xor(x[i], 2));
 #pragma unroll
-  for (int i = 0; i < 8; i++) t[i] = __fadd_rn(t[i], shfl_xor(t[i], 1));
-  return tree_sum<8>(t);
+  for (int i = 0; i < N; i++) t[i] = __fadd_rn(t[i], shfl_xor(t[i], 1));
+  return tree_sum<N>(t);
 }
 
 // The signs and the blockwise Hadamard (H = 16 or 32) of one lane's 8 elements.
@@ -783,6 +829,60 @@ __device__ __forceinline__ void mx_lane_signs(MxArgs& a, u32 q, int has_signs, u
     asm("mov.b32 %0, %0;" : "+f"(a.sg[i]));  // opaque: kept in a register, not recomputed per chunk
 #endif
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// NVFP4 128-groups, warp-cooperative (quant_rows with G == 128, LANES == 4): the 4 lanes of a quad
+// own one 128-group (Hadamard 128 or MS-EDEN), lane q = lane & 3 holds its elements 32q..32q+31
+// (the group's 16-blocks 2q, 2q+1). Hadamard strides 1..16 run in the lane, 32 and 64 across lanes
+// (xor 1, xor 2: butterfly_x); MS-EDEN's two 128-sums follow the halving tree (quad_tree_sum: level
+// j + 64 pairs lanes q, q ^ 2, level j + 32 pairs q, q ^ 1, then tree_sum<32> in the lane), so every
+// lane computes the group's correction with the same bits; block scales, codes and the pre-pass
+// amax are lane-local (nv_encode, nv_prepass_amax on 32 elements). Same bits as quant_group_nv.
+
+// Lane q's sign word: element 32q + i of the group takes bit i of group word q (load_signs).
+__device__ __forceinline__ void nvq_lane_signs(QParams& p, u32 q) {
+  if (!p.has_signs) return;
+  p.sw[0] = q == 0 ? p.sw[0] : q == 1 ? p.sw[1] : q == 2 ? p.sw[2] : p.sw[3];
+}
+
+// Signs and the blockwise Hadamard (p.H: 0, 16, ..., 128) of lane q's 32 elements.
+__device__ __forceinline__ void nvq_rotate(float (&x)[32], const QParams& p, u32 q) {
+  if (p.H == 16) rotate_h<32, 16>(x, p);
+  else if (p.H == 32) rotate_h<32, 32>(x, p);
+  else if (p.H >= 64) {  // 64, 128: strides 1..16 in the lane, then across lanes, then 1/sqrt(H)
+    rotate_h<32, 32, true, false>(x, p);
+    butterfly_x(x, 1, q & 1);
+    if (p.H == 128) butterfly_x(x, 2, q & 2);
+#pragma unroll
+    for (int i = 0; i < 32; i++) x[i] = __fmul_rn(x[i], p.hs);
+  }
+}
+
+// Lane q's part of one 128-group; (orow, ocol): the output position of its x[0]. valid = false
+// (past the end): zeros at a valid position in, nothing stored, every shuffle still run.
+template <int RULE, int RND>
+__device__ __forceinline__ void nvq_group(float (&x)[32], const QParams& p, u32 q, u32 orow, u32 ocol, bool valid) {
+  nvq_rotate(x, p, q);
+  if (p.pass == 1) {
+    nv_amax_atomic(p, valid ? nv_prepass_amax<32>(x, p, orow, ocol) : 0u);
+    return;
+  }
+  const float g = *p.g;
+  u32 cw[4], sc[2];
+  bool badb[2];
+  nv_encode<32, RULE, RND>(x, p, orow, ocol, g, cw, sc, badb);
+  if constexpr (RND == ROUND_EDEN) {  // the group's sum(x x) and sum(x q) (quant_group_nv's order)
+    float t[32];
+#pragma unroll
+    for (int i = 0; i < 32; i++) t[i] = __fmul_rn(x[i], x[i]);
+    const float num = quad_tree_sum(t);
+#pragma unroll
+    for (int i = 0; i < 32; i++) t[i] = __fmul_rn(x[i], nv_value(cw, sc, i, g));
+    const float den = quad_tree_sum(t);
+    nv_eden_scales<2>(sc, badb, num, den, p, orow, ocol);
+  }
+  if (valid) nv_store<32>(p, orow, ocol, cw, sc);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -910,9 +1010,12 @@ __device__ __forceinline__ void mx_rows(const void* __restrict__ x, const QParam
 }
 
 // MXFP4 (G = 32 and G = 8) asks for 4 CTAs an SM: 64 registers, no spills (G = 32 was 80-95
-// registers: 2 CTAs, 16 warps).
-template <int SRC, int G, bool NV, int RULE, int RND>
-__global__ void __launch_bounds__(256, (!NV && G == 32) ? FP4_MX_MINB : (!NV && G == 8) ? 4 : 1) quant_rows(
+// registers: 2 CTAs, 16 warps). LANES = 4 (NVFP4, G = 128 only): a lane quad a group (nvq_group),
+// FP4_NVQ_MINB CTAs an SM.
+#define FP4_NVQ_MINB 2
+template <int SRC, int G, bool NV, int RULE, int RND, int LANES = 1>
+__global__ void __launch_bounds__(256, (!NV && G == 32) ? FP4_MX_MINB : (!NV && G == 8) ? 4
+                                       : (NV && LANES == 4) ? FP4_NVQ_MINB : 1) quant_rows(
     const void* __restrict__ x, u32 R, u32 K, int H, float hs, int has_signs, u32 s0, u32 s1, u32 s2, u32 s3,
     u32 seed, u32 key0, const u32* __restrict__ dseed, int pass, u8* __restrict__ codes, u8* __restrict__ scales,
     u8* __restrict__ mask, const float* __restrict__ g, u32* __restrict__ amax, u32* __restrict__ tiles) {
@@ -957,6 +1060,32 @@ __global__ void __launch_bounds__(256, (!NV && G == 32) ? FP4_MX_MINB : (!NV && 
         }
         mx_chunk<RULE, RND>(v, a, q, c, c < nchunks);
       }
+    }
+  } else if constexpr (NV && LANES == 4) {  // NVFP4 128-groups, 32 elements a lane: nvq_group
+    static_assert(G == 128, "the quad NVFP4 layout is for 128-groups");
+    QParams p;
+    p.H = H; p.hs = hs; p.seed = seed; p.key0 = key0; p.pass = pass;
+    p.codes = codes; p.scales = scales; p.mask = mask; p.g = g; p.amax = amax; p.tiles = tiles;
+    p.Kout = K;
+    load_signs(p, has_signs, s0, s1, s2, s3);
+    const u32 q = threadIdx.x & 3;
+    nvq_lane_signs(p, q);
+    const u64 nchunks = (u64)R * K / 32;  // a multiple of 4: a quad is all valid or all not
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    // launch constants only in the trip count: converged shuffles (as for G == 8 above)
+    const u64 iters = (nchunks + stride - 1) / stride;
+    for (u64 it = 0; it < iters; it++) {
+      const u64 c = it * stride + (u64)blockIdx.x * blockDim.x + threadIdx.x;
+      const bool valid = c < nchunks;
+      const u64 e0 = valid ? c * 32 : 32 * q;  // the lane's first element (rows are contiguous)
+      const u32 orow = (u32)(e0 / K), ocol = (u32)(e0 - (u64)orow * K);
+      float v[32];
+      if (valid) load_dense<SRC, 32>(v, x, e0);
+      else {
+#pragma unroll
+        for (int i = 0; i < 32; i++) v[i] = 0.0f;
+      }
+      nvq_group<RULE, RND>(v, p, q, orow, ocol, valid);
     }
   } else {
     QParams p;
@@ -1446,6 +1575,8 @@ template __global__ void quant_rows<0, 8, false, 0, 0>(const void*, u32, u32, in
 template __global__ void quant_rows<1, 32, false, 1, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_rows<1, 32, false, 0, 1>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_rows<0, 128, true, 0, 2>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<1, 128, true, 0, 2, 4>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_rows<0, 128, true, 0, 1, 4>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_rows<2, 16, true, 2, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_rows<1, 16, true, 0, 1>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_cols<1, 32, false, 0, 1>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);

@@ -190,6 +190,15 @@ def mx_rows_layout(scale_rule, rounding):
     return forced if forced in ("quad", "group") else "group"
 
 
+def nv128_rows_layout():
+    """NVFP4 quant_rows layout for 128-groups (Hadamard 128 or MS-EDEN): 'quad' (LANES = 4: a lane
+    quad a group, 32 elements a lane, the last Hadamard stages and MS-EDEN's sums by shuffles) or
+    'group' (one thread a group, 255 registers). Both are bit-exact (the quad in host emulation);
+    'group' stays the default until 'quad' is timed on a GPU; FP4_NV128_ROWS=quad|group selects."""
+    forced = os.environ.get("FP4_NV128_ROWS")
+    return forced if forced in ("quad", "group") else "group"
+
+
 def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, signs, seed, block2d, fold=False):
     """Run quant_rows (kind 'rows': quantize the (r, k) row-major src along k) or quant_cols
     (kind 'cols': along r; src dense (r, k), or qin a fp4.QTensor whose codes (r, k/2) are the input).
@@ -205,6 +214,7 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
         return _quant_rows_fold(src, r, k, scale_rule, rounding, hadamard, signs, seed)
     if kind == "rows" and not nv and g_size == 32 and mx_rows_layout(scale_rule, rounding) == "quad":
         g_size = 8  # quant_rows<..., 8, ...>: the warp-cooperative MXFP4 variant (8 elements a thread)
+    lanes = 4 if kind == "rows" and nv and g_size == 128 and nv128_rows_layout() == "quad" else 1
     src_kind = _SRC_KIND[src.dtype] if qin is None else _SRC_KIND[qin.fmt]
     codes = torch.empty(rows, kq // 2, dtype=torch.uint8, device=dev)
     scales = torch.empty(rows, kq // bs, dtype=torch.uint8, device=dev)
@@ -216,13 +226,15 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
     if LAUNCH_LOG is not None:
         LAUNCH_LOG.append(("keepalive", amax, tiles))
     name = (f"{'quant_rows' if kind == 'rows' else 'quant_cols'}<{src_kind}, {g_size}, {str(nv).lower()}, "
-            f"{RULE_ID[scale_rule]}, {ROUND_ID[rounding]}>")
+            f"{RULE_ID[scale_rule]}, {ROUND_ID[rounding]}{', 4' if lanes == 4 else ''}>")
     if kind == "rows":
         n = r * (k // g_size)
         if n >= 1 << 32:
             raise ValueError(f"tensor too large for the quantize kernel ({r} x {k})")
         if g_size == 8:  # warp-cooperative MXFP4: 8 elements a thread, 4 chunks in flight, one trip
             grid, block = (-(-n // (256 * 4)),), (256,)
+        elif lanes == 4:  # quad NVFP4: 4 threads a 128-group, one trip up to 2^28 threads
+            grid, block = (min(-(-4 * n // 256), 1 << 20),), (256,)
         elif not nv and g_size == 32:  # mx_rows: one resident wave, each thread loops over groups
             grid, block = (min(-(-n // 256), _MX_ROWS_CTAS_PER_SM * _sm_count(dev.index)),), (256,)
         else:

@@ -171,13 +171,22 @@ NV_CASES = [  # (shape, dtype, rule, rounding, hadamard, signs, block2d, special
     ((3, 256), torch.bfloat16, "absmax", "eden", 128, True, False, True),
     ((129, 384), torch.float32, "absmax", "eden", 128, True, False, False),
     ((5, 128), torch.float16, "absmax", "eden", 0, False, False, True),
+    ((1001, 2048), torch.bfloat16, "absmax", "eden", 128, True, False, True),  # the quad grid's tail
+    ((48, 384), torch.bfloat16, "absmax", "sr", 128, False, False, True),
+    ((64, 256), torch.float32, "four_over_six", "rn", 128, True, False, True),
+    ((64, 256), torch.float32, "absmax", "rn", 128, False, True, True),
+    ((32, 512), torch.bfloat16, "absmax", "eden", 64, True, True, False),
 ]
 
 
 @gpu
 @pytest.mark.parametrize("shape,dtype,rule,rnd,had,signed,block2d,special", NV_CASES)
 @pytest.mark.parametrize("axis", [-1, 0])
-def test_quantize_nv(shape, dtype, rule, rnd, had, signed, block2d, special, axis):
+@pytest.mark.parametrize("layout", ["group", "quad"])  # kernels.nv128_rows_layout: quant_rows' 128-groups
+def test_quantize_nv(shape, dtype, rule, rnd, had, signed, block2d, special, axis, layout, monkeypatch):
+    if layout == "quad" and (axis == 0 or max(16, had, fp4.EDEN_GROUP if rnd == "eden" else 0) != 128):
+        pytest.skip("the quad layout is quant_rows' (axis -1) for 128-groups")
+    monkeypatch.setenv("FP4_NV128_ROWS", layout)
     if axis == 0:
         shape = (shape[1], shape[0])
         if block2d and shape[1] % 16:
@@ -294,6 +303,7 @@ def test_device_seed_matches_host_seed(opts, layout, monkeypatch):
     give the same QTensor as the equal host seed and fp4.random_signs, for quantize, requantize
     and the reference path."""
     monkeypatch.setenv("FP4_MX_ROWS", layout)
+    monkeypatch.setenv("FP4_NV128_ROWS", layout)
     x = rand((256, 384), torch.bfloat16, seed=8, special=True)
     t = torch.tensor([2**31 - 5], dtype=torch.int32, device="cuda")
     dseed, dsigns = fp4.DeviceSeed(t, 17), fp4.DeviceSigns(opts["hadamard"], fp4.DeviceSeed(t, 5))
@@ -440,7 +450,11 @@ struct uint2 { unsigned x, y; };
 struct uint4 { unsigned x, y, z, w; };
 static inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
-template <class T> static inline T atomicMax(T* p, T v) { T o = *p; *p = std::max(o, v); return o; }
+static std::mutex atomic_m;  // the quad's 4 host threads share the pre-pass amax
+template <class T> static inline T atomicMax(T* p, T v) {
+  std::lock_guard<std::mutex> lock(atomic_m);
+  T o = *p; *p = std::max(o, v); return o;
+}
 
 // quad emulation
 static thread_local int t_lane = 0;
@@ -519,6 +533,38 @@ static void run_nv(const Job& j) {
   }
 }
 
+// NVFP4 128-groups, a lane quad a group (nvq_group, as quant_rows<..., 128, true, ..., 4> runs it):
+// lane q of group gi holds elements 32 (4 gi + q) .. + 31; a trailing quad past the end (valid =
+// false: zeros in, nothing may be stored) in each pass, like the grid's tail.
+template <int RULE, int RND>
+static void run_nvquad(const Job& j) {
+  u32 amax = 0;
+  std::vector<std::thread> th;
+  for (int q = 0; q < 4; q++) th.emplace_back([&, q] {
+    t_lane = q;
+    QParams p;
+    float g = 0.0f;
+    p.H = j.H; p.hs = j.hs; p.seed = j.seed; p.key0 = hash_key(j.seed, 0);
+    p.codes = j.codes; p.scales = j.scales; p.mask = nullptr; p.Kout = j.K; p.g = &g; p.amax = &amax; p.tiles = nullptr;
+    load_signs(p, j.has_signs, j.s0, j.s1, j.s2, j.s3);
+    nvq_lane_signs(p, q);
+    const uint64_t ng = (uint64_t)j.R * j.K / 128;
+    for (int pass = 1; pass >= 0; pass--) {
+      p.pass = pass;
+      barrier();  // every lane's pre-pass atomics are in before g is read
+      if (pass == 0) { float a = __uint_as_float(amax); g = a > 0.0f ? a / (6.0f * 448.0f) : 1.0f; }
+      for (uint64_t gi = 0; gi <= ng; gi++) {
+        const bool valid = gi < ng;
+        const uint64_t e0 = valid ? 32 * (4 * gi + q) : 32 * q;
+        float v[32];
+        for (int i = 0; i < 32; i++) v[i] = valid ? j.x[e0 + i] : 0.0f;
+        nvq_group<RULE, RND>(v, p, q, (u32)(e0 / j.K), (u32)(e0 % j.K), valid);
+      }
+    }
+  });
+  for (auto& t : th) t.join();
+}
+
 int main(int argc, char** argv) {
   if (argc < 12) { fprintf(stderr, "usage: mode R K rule rnd H has_signs s0 seed hs dir\n"); return 2; }
   Job j;
@@ -530,14 +576,18 @@ int main(int argc, char** argv) {
   size_t n = (size_t)j.R * j.K;
   std::vector<float> x(n);
   FILE* f = fopen((dir + "/x.bin").c_str(), "rb"); fread(x.data(), 4, n, f); fclose(f);
-  bool nv = !strcmp(mode, "nv");
+  bool nv = !strcmp(mode, "nv") || !strcmp(mode, "nvquad");
   std::vector<u8> codes(n / 2, 0xAA), scales(n / (nv ? 16 : 32), 0xAA), mask(n / 8, 0xAA);
   j.x = x.data(); j.codes = codes.data(); j.scales = scales.data(); j.mask = j.rule == 1 ? mask.data() : nullptr;
   bool quad = !strcmp(mode, "quad");
-  if (nv) {
+  if (!strcmp(mode, "nvquad")) {
+    if (std::max({16, j.H, j.rnd == 2 ? 128 : 0}) != 128) { fprintf(stderr, "nvquad needs 128-groups\n"); return 2; }
+#define RUN_NVQ(R_, D_) if (j.rule == R_ && j.rnd == D_) run_nvquad<R_, D_>(j);
+    RUN_NVQ(0, 0) RUN_NVQ(0, 1) RUN_NVQ(0, 2) RUN_NVQ(2, 0)
+  } else if (nv) {
     const int G = std::max({16, j.H, j.rnd == 2 ? 128 : 0});
 #define RUN_NV(G_, R_, D_) if (G == G_ && j.rule == R_ && j.rnd == D_) run_nv<G_, R_, D_>(j);
-    RUN_NV(16, 0, 0) RUN_NV(16, 0, 1) RUN_NV(16, 2, 0) RUN_NV(128, 0, 0) RUN_NV(128, 0, 1) RUN_NV(128, 0, 2)
+    RUN_NV(16, 0, 0) RUN_NV(16, 0, 1) RUN_NV(16, 2, 0) RUN_NV(128, 0, 0) RUN_NV(128, 0, 1) RUN_NV(128, 0, 2) RUN_NV(128, 2, 0)
   } else {
 #define RUN(R_, D_) if (j.rule == R_ && j.rnd == D_) { if (quad) run_quad<R_, D_>(j); else run_t1<R_, D_>(j); }
     RUN(0, 0) RUN(0, 1) RUN(1, 0) RUN(1, 1)
@@ -631,24 +681,34 @@ EMU_NV_CASES = [  # (shape, dtype, rule, rounding, hadamard, signed): MS-EDEN's 
     ((65, 128), torch.float32, "absmax", "sr", 128, True),
     ((64, 256), torch.float32, "four_over_six", "rn", 0, False),
     ((40, 160), torch.float32, "absmax", "sr", 16, True),
+    ((24, 256), torch.float32, "absmax", "eden", 0, False),  # no rotation: the lane specials stay in their lanes
+    ((16, 384), torch.bfloat16, "absmax", "eden", 64, True),
+    ((16, 256), torch.float32, "four_over_six", "rn", 128, False),
 ]
 
 
 def _emu_input_nv(shape, dtype, seed):
     """Rows 2^-4..2^4 apart (one tensor scale: MX's 1e-30..3e38 would leave most NVFP4 blocks 0),
-    heavy tails, a NaN, an Inf, a zero row and a constant row."""
+    heavy tails, a NaN, an Inf, a zero row and a constant row; rows 5 and 6 put a NaN, an Inf and
+    zero blocks into single lanes of a 128-group's quad (lane q: elements 32q..32q+31)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=gen) ** 3 * torch.exp2(torch.randint(-4, 5, shape[:-1] + (1,), generator=gen).float())
     x[1, 5], x[2, 17], x[3] = float("nan"), float("inf"), 0.0
     x[4] = 0.75
+    x[5, 37], x[5, 116], x[5, 64:80] = float("nan"), -float("inf"), 0.0  # lanes 1, 3; a zero block in lane 2
+    x[6, 64:96], x[6, 127] = 0.0, float("nan")  # lane 2 all zero, a NaN in lane 3
     return x.to(dtype).float()
 
 
+@pytest.mark.parametrize("mode", ["nv", "nvquad"])
 @pytest.mark.parametrize("shape,dtype,rule,rnd,had,signed", EMU_NV_CASES)
-def test_host_emulation_nv(emu_binary, shape, dtype, rule, rnd, had, signed):
+def test_host_emulation_nv(emu_binary, mode, shape, dtype, rule, rnd, had, signed):
     """NVFP4 through quant_group as quant_rows runs it (pre-pass, tensor scale, quantize, and
-    MS-EDEN's per-128-group correction of the scales), against fp4.quantize bit for bit."""
+    MS-EDEN's per-128-group correction of the scales), against fp4.quantize bit for bit; mode
+    'nvquad': the 128-groups through nvq_group, 4 host threads as the lanes of a quad."""
     import numpy as np
+    if mode == "nvquad" and max(16, had, fp4.EDEN_GROUP if rnd == "eden" else 0) != 128:
+        pytest.skip("the quad layout is for 128-groups (Hadamard 128 or MS-EDEN)")
     d = emu_binary
     x = _emu_input_nv(shape, dtype, sum(shape) + had + 1)
     signs = fp4.random_signs(had, 11) if signed else None
@@ -657,7 +717,7 @@ def test_host_emulation_nv(emu_binary, shape, dtype, rule, rnd, had, signed):
     x.numpy().astype(np.float32).tofile(d / "x.bin")
     hs = fp4._hadamard_scale(had) if had else 0.0
     words = kernels.sign_words(signs) if signed else [0, 0, 0, 0]
-    args = [str(d / "emu"), "nv", str(shape[0]), str(shape[1]), str(kernels.RULE_ID[rule]), str(kernels.ROUND_ID[rnd]),
+    args = [str(d / "emu"), mode, str(shape[0]), str(shape[1]), str(kernels.RULE_ID[rule]), str(kernels.ROUND_ID[rnd]),
             str(had), str(int(signed)), str(words[0]), str(seed), repr(np.float32(hs).item()), str(d),
             *(str(w) for w in words[1:4])]
     subprocess.run(args, check=True, timeout=120)
@@ -665,7 +725,7 @@ def test_host_emulation_nv(emu_binary, shape, dtype, rule, rnd, had, signed):
     got = {"codes": np.fromfile(d / "codes.bin", np.uint8).reshape(r, k // 2),
            "scales": np.fromfile(d / "scales.bin", np.uint8).reshape(r, k // 16)}
     for name, want in (("codes", q.codes), ("scales", q.scales)):
-        assert_same(torch.from_numpy(got[name]), want, f"emulated nv {name}")
+        assert_same(torch.from_numpy(got[name]), want, f"emulated {mode} {name}")
 
 
 BAD_OPTIONS = [
