@@ -1095,12 +1095,21 @@ __global__ void __launch_bounds__(256, (!NV && G == 32) ? FP4_MX_MINB : (!NV && 
     load_signs(p, has_signs, s0, s1, s2, s3);
     const u32 n = R * (K / G);  // host checks R * K / G < 2^32
     if constexpr (NV) {
+      // pre-pass: the thread's max over all its groups, then one atomic a warp after the loop (a
+      // max is order-free: the same tensor amax as one atomic a group, far fewer atomics)
+      u32 fm = 0;
       for (u32 gi = blockIdx.x * blockDim.x + threadIdx.x; gi < n; gi += gridDim.x * blockDim.x) {
         float v[G];
         u32 row = gi / (K / G), col = (gi - row * (K / G)) * G;
         load_dense<SRC, G>(v, x, (u64)row * K + col);
-        quant_group<G, NV, RULE, RND>(v, p, row, col);
+        if (p.pass == 1) {
+          rotate<G>(v, p);
+          fm = max(fm, nv_prepass_amax<G>(v, p, row, col));
+        } else {
+          quant_group<G, NV, RULE, RND>(v, p, row, col);
+        }
       }
+      if (p.pass == 1) nv_amax_atomic(p, fm);
     } else if constexpr (G == 32) {  // one loop per (Hadamard size, signs): straight-line bodies
       if (H == 32) {
         if (p.has_signs) mx_rows<SRC, RULE, RND, 32, true>(x, p, n);
