@@ -357,6 +357,28 @@ def test_split_eval_and_compile_mode_errors(corpus, tmp_path):
         run(corpus, tmp_path, '--recipe=bf16', '--max_iters=2', '--eval_split_tokens=100')
     assert not (tmp_path / 'ckpt.pt').exists()  # stopped before training
 
+def test_cuda_graph_errors(corpus, tmp_path):
+    with pytest.raises(configurator.ConfigError, match="cuda_graph=True needs a CUDA device, got device='cpu'"):
+        run(corpus, tmp_path, '--cuda_graph=True')
+    with pytest.raises(configurator.ConfigError, match="cuda_graph=True with recompute='mlp'"):
+        run(corpus, tmp_path, '--cuda_graph=True', '--device=cuda', '--recompute=mlp')
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
+@pytest.mark.parametrize('recipe', ['bf16', 'quartet'])
+def test_cuda_graph_training_on_gpu(corpus, tmp_path, recipe):
+    """cuda_graph=True replays the same forward and backward: bf16's losses equal eager's (the
+    same kernels; 1e-4 allows another cuBLAS algorithm under capture), quartet's train (its
+    stochastic rounding draws other random numbers after the capture's warmup runs)."""
+    args = ['--device=cuda', '--dtype=bfloat16', f'--recipe={recipe}', '--max_iters=8', '--eval_interval=8',
+            '--gradient_accumulation_steps=2']
+    eager = run(corpus, tmp_path / 'eager', *args)['loss_curve']
+    graph = run(corpus, tmp_path / 'graph', *args, '--cuda_graph=True')['loss_curve']
+    assert 'captured as CUDA graphs' in (tmp_path / 'graph' / 'train.log').read_text()
+    if recipe == 'bf16':
+        assert np.allclose(graph['train_loss'], eager['train_loss'], rtol=1e-4, atol=0), (graph, eager)
+    else:
+        assert all(np.isfinite(graph['train_loss'])) and graph['val_loss'][-1] < graph['val_loss'][0] - 0.1, graph
+
 def test_nan_stops_cleanly(corpus, tmp_path):
     run(corpus, tmp_path, '--recipe=bf16', '--max_iters=2', '--eval_interval=2')
     ckpt_path = tmp_path / 'ckpt.pt'

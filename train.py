@@ -78,6 +78,7 @@ dtype = 'bfloat16' if torch.cuda.is_available() else 'float32'  # autocast dtype
 compile = torch.cuda.is_available()
 compile_mode = 'default'  # torch.compile's mode; the CUDA-graph ones (reduce-overhead) are refused: README, Speed
 fsdp = False              # torchrun: shard weights, grads and optimizer states (FSDP2), not DDP
+cuda_graph = False        # replay each micro-step's forward and backward as CUDA graphs (one GPU process)
 seed = 1337
 debug_nan_step = -1       # tests: make the loss NaN at this step
 # size, batch and length of the run: what `python train.py` does depends on the device
@@ -148,6 +149,11 @@ def check_config():
             '(results/nvidia-h200/session8/smoke.log; PyTorch issues 152887, 169545). '
             "Use 'default' or 'max-autotune-no-cudagraphs'; bench.py --compile-mode reduce-overhead "
             'times a single training step, which does work')
+    if cuda_graph and not device.startswith('cuda'):
+        raise configurator.ConfigError(f'cuda_graph=True needs a CUDA device, got device={device!r}')
+    if cuda_graph and recompute != 'none':
+        raise configurator.ConfigError(f"cuda_graph=True with recompute={recompute!r}: the recompute's checkpoint "
+                                       "saves and restores the GPU's RNG state, which a CUDA graph capture forbids")
     if eval_split_tokens < 0:
         raise configurator.ConfigError(f'eval_split_tokens must be 0 (none) or a token count, got {eval_split_tokens}')
     if keep_checkpoints < 1:
@@ -691,6 +697,32 @@ def on_whole_matrix(fn, t):
 # -----------------------------------------------------------------------------
 # one optimizer step
 
+class LossOf(torch.nn.Module):
+    """model(x, y)'s loss alone, as a module: make_graphed_callables finds the parameters through it."""
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, y):
+        return self.model(x, y)[1]
+
+def graphed(model, data, ctx):
+    """cuda_graph=True: model's training forward and backward captured as two CUDA graphs
+    (torch.cuda.make_graphed_callables) and replayed each micro-step, without the host's launch
+    work: the FP4 layers run eagerly between the compiled graph's pieces, at ~2 ms of host time a
+    layer (README, Speed). A model-like callable (x, y) -> (None, loss): every replay copies its
+    x, y into the graph's inputs and writes the same output tensor, so the loss is read before the
+    next micro-step. The three warmup runs (on a sample batch) take autograd.grad, not backward:
+    they leave the parameters' .grad alone, but draw random numbers. The stochastic-rounding seeds
+    are drawn on the GPU, so each replay rounds afresh. Clipping, the finite check and the
+    optimizer step stay eager, after the graphs: a non-finite loss still stops before the step."""
+    x, y = get_batch(data['train'], (0, 0, 0))
+    t0 = time.time()
+    with ctx:
+        fn = torch.cuda.make_graphed_callables(LossOf(model), (x, y), num_warmup_iters=3)
+    log(f'cuda_graph: forward and backward captured as CUDA graphs in {time.time() - t0:.1f} s')
+    return lambda x, y: (None, fn(x, y))
+
 def train_step(model, optimizer, data, it, accum, rank, ctx):
     """Forward/backward over accum micro-batches, clip, check, step. Returns (loss, norm).
     Stops the run (SystemExit, non-zero) before the optimizer step if the loss or the
@@ -753,8 +785,8 @@ def setup(argv):
         raise configurator.ConfigError(f'fsdp=True does not run optimizer={optimizer!r} yet: its NVFP4 '
                                        'states/Newton-Schulz need the wiring in README, FSDP2')
     # FSDP2 casts the weights itself (MixedPrecisionPolicy, see shard_model): no autocast
-    ctx = (nullcontext() if dtype == 'float32' or fsdp else
-           torch.autocast(device_type=device.split(':')[0], dtype=torch.bfloat16))
+    ctx = (nullcontext() if dtype == 'float32' or fsdp else  # a graph capture needs autocast's cache off
+           torch.autocast(device_type=device.split(':')[0], dtype=torch.bfloat16, cache_enabled=not cuda_graph))
     return rank, world, ctx
 
 def init_run(rank, data_meta):
@@ -896,9 +928,12 @@ def main(argv=None):
     log(f"model {model_size} {model_args}: {raw_model.get_num_params() / 1e6:.2f}M non-embedding, "
         f"{raw_model.get_num_params(False) / 1e6:.2f}M total parameters; recipe {recipe}, optimizer {config['optimizer']}")
     model = torch.compile(raw_model, mode=compile_mode) if compile else raw_model
+    if cuda_graph and world > 1:
+        raise configurator.ConfigError(f'cuda_graph=True runs one process; this run has {world} (DDP/FSDP)')
     if world > 1 and not fsdp:  # FSDP2 wrapped raw_model in place in init_run
         ids = [torch.cuda.current_device()] if device.startswith('cuda') else None
         model = DDP(model, device_ids=ids)
+    train_model = graphed(model, data, ctx) if cuda_graph else model  # evals run `model`
     run = dict(rank=rank, world=world, start_iter=iter_num, iter_num=iter_num, history=history,
                model_args=model_args, config={k: globals()[k] for k in config_keys}, meta=meta,
                saved_step=_resumed_step, resumed=resume)  # config: with the checkpoint's recipe
@@ -929,7 +964,7 @@ def main(argv=None):
                 n_refit = fp4.refit_lora(raw_model, seed=iter_num)
                 log(f'step {iter_num}: LoRA-SVD refit of {n_refit} linears')
             t0 = time.time()
-            loss, norm = train_step(model, optimizer, data, iter_num, accum, rank, ctx)
+            loss, norm = train_step(train_model, optimizer, data, iter_num, accum, rank, ctx)
             dt = time.time() - t0
             history['steps'].append(iter_num)
             history['train_loss'].append(loss)
