@@ -1625,7 +1625,7 @@ template __global__ void quant_cols<3, 32, false, 0, 1>(const void*, const u8*, 
 template __global__ void quant_cols<0, 64, false, 1, 0>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_cols<1, 128, true, 0, 2, 4>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_cols<4, 128, true, 0, 2, 4>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
-template __global__ void quant_cols<0, 128, true, 2, 1, 4>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_cols<0, 128, true, 2, 0, 4>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_rows_fold<1, 1, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, u8*, u8*, u8*, u8*, float*);
 template __global__ void quant_rows_fold<1, 0, 1>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, u8*, u8*, u8*, u8*, float*);
 template __global__ void rotate_back<1, 32>(const void*, const u8*, u32, u32, float, void*);
