@@ -520,16 +520,22 @@ static void run_t1(const Job& j) {
     }
 }
 
+// The NVFP4 kernels' parameters for job j (quantized axis of length kout), signs loaded.
+static QParams nv_params(const Job& j, u32 kout, u32* amax, float* g) {
+  QParams p;
+  p.H = j.H; p.hs = j.hs; p.seed = j.seed; p.key0 = hash_key(j.seed, 0);
+  p.codes = j.codes; p.scales = j.scales; p.mask = nullptr; p.Kout = kout; p.g = g; p.amax = amax; p.tiles = nullptr;
+  load_signs(p, j.has_signs, j.s0, j.s1, j.s2, j.s3);
+  return p;
+}
+
 // NVFP4, one thread a G-group (quant_group, as quant_rows runs it): the tensor-amax pre-pass over
 // every group, g = amax / (6 * 448) as kernels.py divides (1 if 0), then the quantize pass.
 template <int G, int RULE, int RND>
 static void run_nv(const Job& j) {
-  QParams p;
   u32 amax = 0;
   float g = 0.0f;
-  p.H = j.H; p.hs = j.hs; p.seed = j.seed; p.key0 = hash_key(j.seed, 0);
-  p.codes = j.codes; p.scales = j.scales; p.mask = nullptr; p.Kout = j.K; p.g = &g; p.amax = &amax; p.tiles = nullptr;
-  load_signs(p, j.has_signs, j.s0, j.s1, j.s2, j.s3);
+  QParams p = nv_params(j, j.K, &amax, &g);
   for (int pass = 1; pass >= 0; pass--) {
     p.pass = pass;
     if (pass == 0) { float a = __uint_as_float(amax); g = a > 0.0f ? a / (6.0f * 448.0f) : 1.0f; }
@@ -551,11 +557,8 @@ static void run_nvquad(const Job& j) {
   std::vector<std::thread> th;
   for (int q = 0; q < 4; q++) th.emplace_back([&, q] {
     t_lane = q;
-    QParams p;
     float g = 0.0f;
-    p.H = j.H; p.hs = j.hs; p.seed = j.seed; p.key0 = hash_key(j.seed, 0);
-    p.codes = j.codes; p.scales = j.scales; p.mask = nullptr; p.Kout = j.K; p.g = &g; p.amax = &amax; p.tiles = nullptr;
-    load_signs(p, j.has_signs, j.s0, j.s1, j.s2, j.s3);
+    QParams p = nv_params(j, j.K, &amax, &g);
     nvq_lane_signs(p, q);
     const uint64_t ng = (uint64_t)j.R * j.K / 128;
     for (int pass = 1; pass >= 0; pass--) {
@@ -586,11 +589,8 @@ static void run_nvqcols(const Job& j, const u8* qc, const u8* qs, float gin) {
   std::vector<std::thread> th;
   for (int q = 0; q < 4; q++) th.emplace_back([&, q] {
     t_lane = q;
-    QParams p;
     float g = 0.0f;
-    p.H = j.H; p.hs = j.hs; p.seed = j.seed; p.key0 = hash_key(j.seed, 0);
-    p.codes = j.codes; p.scales = j.scales; p.mask = nullptr; p.Kout = j.R; p.g = &g; p.amax = &amax; p.tiles = nullptr;
-    load_signs(p, j.has_signs, j.s0, j.s1, j.s2, j.s3);
+    QParams p = nv_params(j, j.R, &amax, &g);  // output (K, R): the quantized axis is R
     const RowSigns sw = {{p.sw[0], p.sw[1], p.sw[2], p.sw[3]}, p.has_signs != 0};
     p.has_signs = 0;  // applied in the tile
     std::vector<float> tile(TILE_FLOATS(4), 0.0f);
