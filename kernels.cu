@@ -36,6 +36,8 @@
 //       that is fp4.requantize (dequantize, transpose, random Hadamard, absmax/SR or any other
 //       option, pack) in one pass. The random signs multiply whole row chunks as the tile loads
 //       (one sign a row of the tile). G == 32: a resident wave of CTAs loops over the tiles.
+//       NVFP4 G == 128 with LANES == 4 (FP4_NV128_COLS=quad; kernels.nv128_cols_layout) is the
+//       warp-cooperative variant: 128 threads a tile, a lane quad a column (nvq_col, nvq_group).
 //       Called by fp4._kernel_quantize (2-D, axis 0) and fp4._kernel_requantize.
 //   fold_mx                 fp4.fold_mx: MXFP4 codes + E8M0 -> float8_e4m3fn elements
 //       code * 2^(e_block - e_rowmax) and FP32 row scales 2^e_rowmax; one warp per row.

@@ -414,7 +414,8 @@ def test_blackwell_sr_uses_cvt_rs_only_where_it_exists(tmp_path):
 
 # Host emulation (CPU, g++): kernels.cu's device math built as C++ with FP4_HOST_EMU, warp shuffles
 # between 4 host threads (one lane quad), against the PyTorch reference bit for bit. Covers the
-# warp-cooperative MXFP4 rows path (mx_chunk) and the one-thread-per-group path (quant_group).
+# warp-cooperative MXFP4 rows path (mx_chunk), the one-thread-per-group path (quant_group) and the
+# quad NVFP4 128-group paths of quant_rows (nvq_group) and quant_cols (nvq_col on emulated tiles).
 EMU_CPP = r"""
 // Host emulation of kernels.cu's MXFP4 paths: the device functions compiled as host C++, warp
 // shuffles between 4 host threads (one per lane of a quad) through a blocking barrier (a spinning
