@@ -36,6 +36,8 @@
 //       that is fp4.requantize (dequantize, transpose, random Hadamard, absmax/SR or any other
 //       option, pack) in one pass. The random signs multiply whole row chunks as the tile loads
 //       (one sign a row of the tile). G == 32: a resident wave of CTAs loops over the tiles.
+//       NVFP4 G == 128 with LANES == 4 (FP4_NV128_COLS=quad; kernels.nv128_cols_layout) is the
+//       warp-cooperative variant: 128 threads a tile, a lane quad a column (nvq_col, nvq_group).
 //       Called by fp4._kernel_quantize (2-D, axis 0) and fp4._kernel_requantize.
 //   fold_mx                 fp4.fold_mx: MXFP4 codes + E8M0 -> float8_e4m3fn elements
 //       code * 2^(e_block - e_rowmax) and FP32 row scales 2^e_rowmax; one warp per row.
@@ -886,6 +888,54 @@ __device__ __forceinline__ void nvq_group(float (&x)[32], const QParams& p, u32 
 }
 
 // ---------------------------------------------------------------------------------------------
+// quant_cols' tile (the kernel is below; these pieces are host-built too, for the emulation): a
+// 128 x 32 shared-memory tile of the (R, K) input, rows = the quantized axis.
+
+#define TILE_R 128
+#define TILE_C 32
+#define TILE_LD 36  // padded row (floats): 16-byte aligned rows for vector stores
+// The quad layout (LANES = 4) shifts each 32-row band of the tile by 8 floats more: lane q of a
+// quad reads row 32q + j of its column, and rows 32 apart are 32 * 36 floats apart, one bank for
+// every pitch; with the shift lane l (column 8 warp + l / 4, q = l % 4) reads bank
+// (4j + 8 warp + l / 4 + 8q) mod 32, 32 distinct banks. The bands stay 16-byte aligned.
+#define TILE_BAND 8
+#define TILE_FLOATS(LANES) (TILE_R * TILE_LD + ((LANES) == 4 ? (TILE_R / 32 - 1) * TILE_BAND : 0))
+
+template <int LANES>
+__device__ __forceinline__ int tile_at(int rr, int cc) {  // float offset of tile element (rr, cc)
+  return rr * TILE_LD + (LANES == 4 ? (rr >> 5) * TILE_BAND : 0) + cc;
+}
+
+// Sign (bit 31) of tile row rr's element of its G-group: the random Hadamard's +-1, applied while
+// loading (one sign covers a row's whole chunk), so the rotation itself runs without signs.
+struct RowSigns {  // the sign words by value (a pointer into QParams would put it in local memory)
+  u32 w[4];
+  bool on;
+};
+template <int G>
+__device__ __forceinline__ u32 row_sign(const RowSigns& s, u32 rr) {
+  u32 w = s.w[0];
+  if constexpr (G > 32) {
+    const u32 k = (rr % G) >> 5;
+    w = k == 0 ? s.w[0] : (k == 1 ? s.w[1] : (k == 2 ? s.w[2] : s.w[3]));
+  }
+  return s.on ? ((w >> (rr & 31)) & 1u) << 31 : 0u;
+}
+
+// quant_cols' quad layout (G = 128, blockDim 128): thread t is lane q = t % 4 of the quad for tile
+// column cl = t / 4, and holds rows 32q..32q+31 of it (signed at the tile load: p.has_signs = 0),
+// quantized by nvq_group at output (col, r0 + 32q) of the (K, R) layout. col = c0 + cl >= K (past
+// the tile's last input column): valid = false, the zeros of the tile in at output row 0.
+template <int RULE, int RND>
+__device__ __forceinline__ void nvq_col(const float* tile, const QParams& p, u32 q, u32 cl, u32 col, u32 r0,
+                                        bool valid) {
+  float v[32];
+#pragma unroll
+  for (int j = 0; j < 32; j++) v[j] = tile[tile_at<4>(32 * q + j, cl)];
+  nvq_group<RULE, RND>(v, p, q, valid ? col : 0u, r0 + 32 * q, valid);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Loads (host-built too with FP4_HOST_EMU_ADAMW: test_optim.py's grid emulation of the AdamW kernel
 // brings the vector types and __ldg)
 #if !defined(FP4_HOST_EMU) || defined(FP4_HOST_EMU_ADAMW)
@@ -1132,29 +1182,10 @@ __global__ void __launch_bounds__(256, (!NV && G == 32) ? FP4_MX_MINB : (!NV && 
 }
 
 // ---------------------------------------------------------------------------------------------
-// quant_cols: quantize along the first dim of a row-major (R, K) input through a 128 x 32 tile.
+// quant_cols: quantize along the first dim of a row-major (R, K) input through a 128 x 32 tile
+// (its geometry, row signs and quad column read: "quant_cols' tile" above, host-built too).
 // SRC 3/4: the input is a QTensor's codes (R, K/2) + scales (mxfp4 (R, K/32) E8M0; nvfp4
 // (R, K/16) E4M3 with tensor scale *gin), dequantized into the tile (fp4.dequantize's values).
-
-#define TILE_R 128
-#define TILE_C 32
-#define TILE_LD 36  // padded row (floats): 16-byte aligned rows for vector stores
-
-// Sign (bit 31) of tile row rr's element of its G-group: the random Hadamard's +-1, applied while
-// loading (one sign covers a row's whole chunk), so the rotation itself runs without signs.
-struct RowSigns {  // the sign words by value (a pointer into QParams would put it in local memory)
-  u32 w[4];
-  bool on;
-};
-template <int G>
-__device__ __forceinline__ u32 row_sign(const RowSigns& s, u32 rr) {
-  u32 w = s.w[0];
-  if constexpr (G > 32) {
-    const u32 k = (rr % G) >> 5;
-    w = k == 0 ? s.w[0] : (k == 1 ? s.w[1] : (k == 2 ? s.w[2] : s.w[3]));
-  }
-  return s.on ? ((w >> (rr & 31)) & 1u) << 31 : 0u;
-}
 
 // E2M1 codes (8 nibbles of w) -> FP16 bits, two a word (h[0] = codes 0, 1; ... h[3] = codes 6, 7):
 // the magnitude's FP16 high byte from an 8-entry PRMT table, the sign gathered from the nibbles'
@@ -1174,8 +1205,8 @@ __device__ __forceinline__ void e2m1x8_to_f16(u32 w, u32* h) {
   }
 }
 
-// A dense input's tile (SRC 0-2: FP32, BF16, FP16), signs applied.
-template <int SRC, int G>
+// A dense input's tile (SRC 0-2: FP32, BF16, FP16), signs applied; LANES: tile_at's layout.
+template <int SRC, int G, int LANES>
 __device__ __forceinline__ void load_tile(float* tile, const void* __restrict__ x, u32 R, u32 K, u32 r0, u32 c0,
                                           const RowSigns& sw) {
   const int nt = blockDim.x;
@@ -1197,13 +1228,13 @@ __device__ __forceinline__ void load_tile(float* tile, const void* __restrict__ 
         for (int i = 0; i < VEC; i++) v[i] = __uint_as_float(__float_as_uint(v[i]) ^ sg);
 #pragma unroll
         for (int i = 0; i < VEC; i += 4)
-          *reinterpret_cast<float4*>(tile + rr * TILE_LD + cc + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+          *reinterpret_cast<float4*>(tile + tile_at<LANES>(rr, cc + i)) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
       }
     } else {
       for (int e = threadIdx.x; e < TILE_R * TILE_C; e += nt) {
         int rr = e / TILE_C, cc = e % TILE_C;
         float v = (r0 + rr < R && c0 + cc < K) ? load_one<SRC>(x, (u64)(r0 + rr) * K + c0 + cc) : 0.0f;
-        tile[rr * TILE_LD + cc] = __uint_as_float(__float_as_uint(v) ^ row_sign<G>(sw, rr));
+        tile[tile_at<LANES>(rr, cc)] = __uint_as_float(__float_as_uint(v) ^ row_sign<G>(sw, rr));
       }
     }
   }
@@ -1231,7 +1262,7 @@ __device__ __forceinline__ CodeChunk fetch_chunk(const void* __restrict__ x, con
   return c;
 }
 
-template <int SRC, int G>
+template <int SRC, int G, int LANES>
 __device__ __forceinline__ void store_chunk(float* tile, const CodeChunk& c, const float* __restrict__ gin,
                                             u32 R, u32 K, u32 r0, u32 c0, const RowSigns& sw, int e) {
   const int rr = e >> 1, cc = (e & 1) * 16;
@@ -1261,18 +1292,19 @@ __device__ __forceinline__ void store_chunk(float* tile, const CodeChunk& c, con
   }
 #pragma unroll
   for (int j = 0; j < 16; j += 4)
-    *reinterpret_cast<float4*>(tile + rr * TILE_LD + cc + j) = make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]);
+    *reinterpret_cast<float4*>(tile + tile_at<LANES>(rr, cc + j)) = make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]);
 }
 
 // One CTA loops over 128 x 32 tiles (t = column tile fastest); HH = G: the Hadamard as straight-line
 // code (the usual case: the group is the Hadamard block), HH = 0: any H through rotate's dispatch.
-template <int SRC, int G, bool NV, int RULE, int RND, int HH>
+// LANES = 4 (NVFP4, G = 128): a lane quad a column's group (nvq_col), blockDim 128.
+template <int SRC, int G, bool NV, int RULE, int RND, int HH, int LANES>
 __device__ __forceinline__ void cols_loop(float* tile, const void* __restrict__ x, const u8* __restrict__ in_scales,
                                           const float* __restrict__ gin, u32 R, u32 K, const QParams& p,
                                           const RowSigns& sw) {
   const u32 tiles_c = (K + TILE_C - 1) / TILE_C;
   const u32 ntiles = tiles_c * ((R + TILE_R - 1) / TILE_R);  // host checks < 2^32
-  const u32 lane = threadIdx.x & 31, grp = threadIdx.x >> 5;  // blockDim = 32 * TILE_R / G
+  const u32 lane = threadIdx.x & 31, grp = threadIdx.x >> 5;  // blockDim = 32 * TILE_R / G (LANES 1)
   // SRC 3/4: the next tile's codes and scales are loaded while this one is quantized, where a CTA
   // loops over tiles (G = 32: fp4's launch gives one resident wave, 2 chunks a thread). Elsewhere
   // a CTA has one tile, and chunks held over the quantization would only cost registers (G = 128
@@ -1296,16 +1328,21 @@ __device__ __forceinline__ void cols_loop(float* tile, const void* __restrict__ 
 #pragma unroll
       for (int i = 0; i < NC; i++) {
         const int e = threadIdx.x + i * blockDim.x;
-        store_chunk<SRC, G>(tile, next[i], gin, R, K, r0, c0, sw, e);
+        store_chunk<SRC, G, LANES>(tile, next[i], gin, R, K, r0, c0, sw, e);
         if (tn < ntiles) next[i] = fetch_chunk<SRC>(x, in_scales, R, K, (tn / tiles_c) * TILE_R, (tn % tiles_c) * TILE_C, e);
       }
     } else if constexpr (SRC >= 3) {
       for (int e = threadIdx.x; e < TILE_R * 2; e += blockDim.x)
-        store_chunk<SRC, G>(tile, fetch_chunk<SRC>(x, in_scales, R, K, r0, c0, e), gin, R, K, r0, c0, sw, e);
+        store_chunk<SRC, G, LANES>(tile, fetch_chunk<SRC>(x, in_scales, R, K, r0, c0, e), gin, R, K, r0, c0, sw, e);
     } else {
-      load_tile<SRC, G>(tile, x, R, K, r0, c0, sw);
+      load_tile<SRC, G, LANES>(tile, x, R, K, r0, c0, sw);
     }
     __syncthreads();
+    if constexpr (NV && LANES == 4) {  // every lane runs (converged shuffles); past K: valid = false
+      const u32 cl = threadIdx.x >> 2;
+      nvq_col<RULE, RND>(tile, p, threadIdx.x & 3, cl, c0 + cl, r0, c0 + cl < K);
+      continue;
+    }
     const u32 col = c0 + lane, r = r0 + grp * G;
     if (col < K && r < R) {
       float v[G];
@@ -1321,14 +1358,19 @@ __device__ __forceinline__ void cols_loop(float* tile, const void* __restrict__ 
 
 // The grid is about one wave of CTAs (fp4._quant_launch), each looping over tiles: the setup
 // (seeds, signs) is paid once a CTA. G = 32 (MXFP4) asks for 8 CTAs an SM (64 registers).
-template <int SRC, int G, bool NV, int RULE, int RND>
-__global__ void __launch_bounds__(32 * TILE_R / G, G == 32 ? 8 : 1) quant_cols(
+// LANES = 4 (NVFP4, G = 128 only): 128 threads, a lane quad a column (nvq_col), FP4_NVQ_COLS_MINB
+// CTAs an SM (at most 128 registers).
+#define FP4_NVQ_COLS_MINB 4
+template <int SRC, int G, bool NV, int RULE, int RND, int LANES = 1>
+__global__ void __launch_bounds__(LANES == 4 ? 4 * TILE_C : 32 * TILE_R / G,
+                                  G == 32 ? 8 : LANES == 4 ? FP4_NVQ_COLS_MINB : 1) quant_cols(
     const void* __restrict__ x, const u8* __restrict__ in_scales, const float* __restrict__ gin, u32 R, u32 K,
     int H, float hs, int has_signs, u32 s0, u32 s1, u32 s2, u32 s3, u32 seed, u32 key0,
     const u32* __restrict__ dseed, int pass, u8* __restrict__ codes, u8* __restrict__ scales, u8* __restrict__ mask,
     const float* __restrict__ g, u32* __restrict__ amax, u32* __restrict__ tiles) {
+  static_assert(LANES == 1 || (NV && G == 128), "the quad cols layout is for NVFP4 128-groups");
   device_rng(dseed, has_signs, s0, s1, s2, s3, seed, key0);
-  __shared__ __align__(16) float tile[TILE_R * TILE_LD];
+  __shared__ __align__(16) float tile[TILE_FLOATS(LANES)];
   QParams p;
   p.H = H; p.hs = hs; p.seed = seed; p.key0 = key0; p.pass = pass;
   p.codes = codes; p.scales = scales; p.mask = mask; p.g = g; p.amax = amax; p.tiles = tiles;
@@ -1336,8 +1378,9 @@ __global__ void __launch_bounds__(32 * TILE_R / G, G == 32 ? 8 : 1) quant_cols(
   load_signs(p, has_signs, s0, s1, s2, s3);
   const RowSigns sw = {{p.sw[0], p.sw[1], p.sw[2], p.sw[3]}, p.has_signs != 0};
   p.has_signs = 0;  // applied by load_tile
-  if (H == G) cols_loop<SRC, G, NV, RULE, RND, G>(tile, x, in_scales, gin, R, K, p, sw);
-  else cols_loop<SRC, G, NV, RULE, RND, 0>(tile, x, in_scales, gin, R, K, p, sw);
+  if constexpr (LANES == 4) cols_loop<SRC, G, NV, RULE, RND, 0, 4>(tile, x, in_scales, gin, R, K, p, sw);
+  else if (H == G) cols_loop<SRC, G, NV, RULE, RND, G, 1>(tile, x, in_scales, gin, R, K, p, sw);
+  else cols_loop<SRC, G, NV, RULE, RND, 0, 1>(tile, x, in_scales, gin, R, K, p, sw);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1591,6 +1634,9 @@ template __global__ void quant_rows<1, 16, true, 0, 1>(const void*, u32, u32, in
 template __global__ void quant_cols<1, 32, false, 0, 1>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_cols<3, 32, false, 0, 1>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_cols<0, 64, false, 1, 0>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_cols<1, 128, true, 0, 2, 4>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_cols<4, 128, true, 0, 2, 4>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
+template __global__ void quant_cols<0, 128, true, 2, 0, 4>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_rows_fold<1, 1, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, u8*, u8*, u8*, u8*, float*);
 template __global__ void quant_rows_fold<1, 0, 1>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, u8*, u8*, u8*, u8*, float*);
 template __global__ void rotate_back<1, 32>(const void*, const u8*, u32, u32, float, void*);

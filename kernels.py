@@ -199,6 +199,16 @@ def nv128_rows_layout():
     return forced if forced in ("quad", "group") else "group"
 
 
+def nv128_cols_layout():
+    """NVFP4 quant_cols layout for 128-groups (quantize along axis 0, requantize): 'quad' (LANES = 4:
+    blockDim 128, a lane quad a tile column, lane q holding its rows 32q..32q+31, then
+    nv128_rows_layout's quad math) or 'group' (one thread a column, 32 threads, 255 registers). Both
+    are bit-exact (the quad in host emulation); 'group' stays the default until 'quad' is timed on
+    a GPU; FP4_NV128_COLS=quad|group selects."""
+    forced = os.environ.get("FP4_NV128_COLS")
+    return forced if forced in ("quad", "group") else "group"
+
+
 def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, signs, seed, block2d, fold=False):
     """Run quant_rows (kind 'rows': quantize the (r, k) row-major src along k) or quant_cols
     (kind 'cols': along r; src dense (r, k), or qin a fp4.QTensor whose codes (r, k/2) are the input).
@@ -214,7 +224,8 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
         return _quant_rows_fold(src, r, k, scale_rule, rounding, hadamard, signs, seed)
     if kind == "rows" and not nv and g_size == 32 and mx_rows_layout(scale_rule, rounding) == "quad":
         g_size = 8  # quant_rows<..., 8, ...>: the warp-cooperative MXFP4 variant (8 elements a thread)
-    lanes = 4 if kind == "rows" and nv and g_size == 128 and nv128_rows_layout() == "quad" else 1
+    layout = nv128_rows_layout() if kind == "rows" else nv128_cols_layout()
+    lanes = 4 if nv and g_size == 128 and layout == "quad" else 1
     src_kind = _SRC_KIND[src.dtype] if qin is None else _SRC_KIND[qin.fmt]
     codes = torch.empty(rows, kq // 2, dtype=torch.uint8, device=dev)
     scales = torch.empty(rows, kq // bs, dtype=torch.uint8, device=dev)
@@ -247,7 +258,7 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
         # G = 32: one resident wave looping over the tiles; else (NVFP4, wide Hadamards: few threads
         # a CTA, registers decide the residency) one CTA a tile
         ctas = min(ntiles, _COLS_CTAS_PER_SM * _sm_count(dev.index)) if g_size == 32 else ntiles
-        grid, block = (ctas,), (32 * _TILE_R // g_size,)
+        grid, block = (ctas,), (4 * 32 if lanes == 4 else 32 * _TILE_R // g_size,)  # quad: 4 lanes a column
         head = (_ptr(src), _ptr(None if qin is None else qin.scales),
                 _ptr(None if qin is None else qin.tensor_scale), np.uint32(r), np.uint32(k))
     hs = np.float32(fp4._hadamard_scale(hadamard) if hadamard else 0.0)

@@ -182,11 +182,12 @@ NV_CASES = [  # (shape, dtype, rule, rounding, hadamard, signs, block2d, special
 @gpu
 @pytest.mark.parametrize("shape,dtype,rule,rnd,had,signed,block2d,special", NV_CASES)
 @pytest.mark.parametrize("axis", [-1, 0])
-@pytest.mark.parametrize("layout", ["group", "quad"])  # kernels.nv128_rows_layout: quant_rows' 128-groups
+@pytest.mark.parametrize("layout", ["group", "quad"])  # kernels.nv128_rows/cols_layout: the 128-groups
 def test_quantize_nv(shape, dtype, rule, rnd, had, signed, block2d, special, axis, layout, monkeypatch):
-    if layout == "quad" and (axis == 0 or max(16, had, fp4.EDEN_GROUP if rnd == "eden" else 0) != 128):
-        pytest.skip("the quad layout is quant_rows' (axis -1) for 128-groups")
-    monkeypatch.setenv("FP4_NV128_ROWS", layout)
+    if layout == "quad" and max(16, had, fp4.EDEN_GROUP if rnd == "eden" else 0) != 128:
+        pytest.skip("the quad layouts are for 128-groups")
+    monkeypatch.setenv("FP4_NV128_ROWS", layout)  # axis -1: quant_rows
+    monkeypatch.setenv("FP4_NV128_COLS", layout)  # axis 0: quant_cols
     if axis == 0:
         shape = (shape[1], shape[0])
         if block2d and shape[1] % 16:
@@ -218,6 +219,8 @@ REQ_CASES = [  # (shape, in fmt, in options, out fmt, out options)
     ((96, 992), "mxfp4", dict(axis=0), "mxfp4", dict(rounding="rn")),
     ((160, 48), "nvfp4", dict(scale_rule="four_over_six"), "nvfp4", dict(rounding="sr", hadamard=16, signed=True)),
     ((256, 384), "nvfp4", dict(), "nvfp4", dict(rounding="eden", hadamard=128, signed=True)),
+    ((384, 208), "nvfp4", dict(scale_rule="four_over_six"), "nvfp4", dict(rounding="eden", hadamard=128, signed=True)),
+    ((256, 96), "mxfp4", dict(), "nvfp4", dict(rounding="sr", hadamard=128, signed=True)),
     ((64, 160), "nvfp4", dict(block2d=True), "nvfp4", dict(rounding="rn")),
     ((128, 96), "mxfp4", dict(), "nvfp4", dict(rounding="sr")),
 ]
@@ -225,7 +228,12 @@ REQ_CASES = [  # (shape, in fmt, in options, out fmt, out options)
 
 @gpu
 @pytest.mark.parametrize("shape,fin,optin,fout,optout", REQ_CASES)
-def test_requantize(shape, fin, optin, fout, optout):
+@pytest.mark.parametrize("layout", ["group", "quad"])  # kernels.nv128_cols_layout
+def test_requantize(shape, fin, optin, fout, optout, layout, monkeypatch):
+    group = max(16, optout.get("hadamard", 0), fp4.EDEN_GROUP if optout.get("rounding") == "eden" else 0)
+    if layout == "quad" and (fout != "nvfp4" or group != 128):
+        pytest.skip("the quad cols layout is for NVFP4 128-groups")
+    monkeypatch.setenv("FP4_NV128_COLS", layout)
     x = rand(shape, torch.bfloat16, seed=sum(shape), special=True)
     with reference():
         q = fp4.quantize(x, fin, **optin)
@@ -304,6 +312,7 @@ def test_device_seed_matches_host_seed(opts, layout, monkeypatch):
     and the reference path."""
     monkeypatch.setenv("FP4_MX_ROWS", layout)
     monkeypatch.setenv("FP4_NV128_ROWS", layout)
+    monkeypatch.setenv("FP4_NV128_COLS", layout)
     x = rand((256, 384), torch.bfloat16, seed=8, special=True)
     t = torch.tensor([2**31 - 5], dtype=torch.int32, device="cuda")
     dseed, dsigns = fp4.DeviceSeed(t, 17), fp4.DeviceSigns(opts["hadamard"], fp4.DeviceSeed(t, 5))
@@ -405,7 +414,8 @@ def test_blackwell_sr_uses_cvt_rs_only_where_it_exists(tmp_path):
 
 # Host emulation (CPU, g++): kernels.cu's device math built as C++ with FP4_HOST_EMU, warp shuffles
 # between 4 host threads (one lane quad), against the PyTorch reference bit for bit. Covers the
-# warp-cooperative MXFP4 rows path (mx_chunk) and the one-thread-per-group path (quant_group).
+# warp-cooperative MXFP4 rows path (mx_chunk), the one-thread-per-group path (quant_group) and the
+# quad NVFP4 128-group paths of quant_rows (nvq_group) and quant_cols (nvq_col on emulated tiles).
 EMU_CPP = r"""
 // Host emulation of kernels.cu's MXFP4 paths: the device functions compiled as host C++, warp
 // shuffles between 4 host threads (one per lane of a quad) through a blocking barrier (a spinning
@@ -511,16 +521,22 @@ static void run_t1(const Job& j) {
     }
 }
 
+// The NVFP4 kernels' parameters for job j (quantized axis of length kout), signs loaded.
+static QParams nv_params(const Job& j, u32 kout, u32* amax, float* g) {
+  QParams p;
+  p.H = j.H; p.hs = j.hs; p.seed = j.seed; p.key0 = hash_key(j.seed, 0);
+  p.codes = j.codes; p.scales = j.scales; p.mask = nullptr; p.Kout = kout; p.g = g; p.amax = amax; p.tiles = nullptr;
+  load_signs(p, j.has_signs, j.s0, j.s1, j.s2, j.s3);
+  return p;
+}
+
 // NVFP4, one thread a G-group (quant_group, as quant_rows runs it): the tensor-amax pre-pass over
 // every group, g = amax / (6 * 448) as kernels.py divides (1 if 0), then the quantize pass.
 template <int G, int RULE, int RND>
 static void run_nv(const Job& j) {
-  QParams p;
   u32 amax = 0;
   float g = 0.0f;
-  p.H = j.H; p.hs = j.hs; p.seed = j.seed; p.key0 = hash_key(j.seed, 0);
-  p.codes = j.codes; p.scales = j.scales; p.mask = nullptr; p.Kout = j.K; p.g = &g; p.amax = &amax; p.tiles = nullptr;
-  load_signs(p, j.has_signs, j.s0, j.s1, j.s2, j.s3);
+  QParams p = nv_params(j, j.K, &amax, &g);
   for (int pass = 1; pass >= 0; pass--) {
     p.pass = pass;
     if (pass == 0) { float a = __uint_as_float(amax); g = a > 0.0f ? a / (6.0f * 448.0f) : 1.0f; }
@@ -542,11 +558,8 @@ static void run_nvquad(const Job& j) {
   std::vector<std::thread> th;
   for (int q = 0; q < 4; q++) th.emplace_back([&, q] {
     t_lane = q;
-    QParams p;
     float g = 0.0f;
-    p.H = j.H; p.hs = j.hs; p.seed = j.seed; p.key0 = hash_key(j.seed, 0);
-    p.codes = j.codes; p.scales = j.scales; p.mask = nullptr; p.Kout = j.K; p.g = &g; p.amax = &amax; p.tiles = nullptr;
-    load_signs(p, j.has_signs, j.s0, j.s1, j.s2, j.s3);
+    QParams p = nv_params(j, j.K, &amax, &g);
     nvq_lane_signs(p, q);
     const uint64_t ng = (uint64_t)j.R * j.K / 128;
     for (int pass = 1; pass >= 0; pass--) {
@@ -565,6 +578,50 @@ static void run_nvquad(const Job& j) {
   for (auto& t : th) t.join();
 }
 
+// quant_cols' quad layout (quant_cols<SRC, 128, true, RULE, RND, 4> on an (R, K) input, quantized
+// along R, output (K, R)): each 128 x 32 tile built as load_tile (dense: x, the row's sign bit
+// xored in) or store_chunk (an NVFP4 QTensor's codes qc (R, K/2) and scales qs (R, K/16): (code *
+// +-scale) * gin) build it, at tile_at<4>'s offsets, then nvq_col on the tile's 32 columns; 4 host
+// threads as the lanes of one quad step through the columns (the GPU runs 32 quads at once), the
+// columns past K (valid = false) too; the pre-pass over every tile, then the quantize pass.
+template <int RULE, int RND>
+static void run_nvqcols(const Job& j, const u8* qc, const u8* qs, float gin) {
+  u32 amax = 0;
+  std::vector<std::thread> th;
+  for (int q = 0; q < 4; q++) th.emplace_back([&, q] {
+    t_lane = q;
+    float g = 0.0f;
+    QParams p = nv_params(j, j.R, &amax, &g);  // output (K, R): the quantized axis is R
+    const RowSigns sw = {{p.sw[0], p.sw[1], p.sw[2], p.sw[3]}, p.has_signs != 0};
+    p.has_signs = 0;  // applied in the tile
+    std::vector<float> tile(TILE_FLOATS(4), 0.0f);
+    for (int pass = 1; pass >= 0; pass--) {
+      p.pass = pass;
+      barrier();
+      if (pass == 0) { float a = __uint_as_float(amax); g = a > 0.0f ? a / (6.0f * 448.0f) : 1.0f; }
+      for (int r0 = 0; r0 < j.R; r0 += TILE_R)
+        for (int c0 = 0; c0 < j.K; c0 += TILE_C) {
+          for (int rr = 0; rr < TILE_R; rr++)
+            for (int cc = 0; cc < TILE_C; cc++) {
+              const uint64_t r = r0 + rr, c = c0 + cc, e = r * j.K + c;
+              const u32 sg = row_sign<128>(sw, rr);
+              float v = 0.0f;
+              if (c < (uint64_t)j.K && qc) {
+                const float s = __uint_as_float(__float_as_uint(e4m3_dec(qs[e / 16])) ^ sg);
+                v = __fmul_rn(__fmul_rn(e2m1_dec((qc[e / 2] >> (4 * (e & 1))) & 15u), s), gin);
+              } else if (c < (uint64_t)j.K) {
+                v = __uint_as_float(__float_as_uint(j.x[e]) ^ sg);
+              }
+              tile[tile_at<4>(rr, cc)] = v;
+            }
+          for (u32 cl = 0; cl < TILE_C; cl++)
+            nvq_col<RULE, RND>(tile.data(), p, q, cl, c0 + cl, r0, c0 + cl < (u32)j.K);
+        }
+    }
+  });
+  for (auto& t : th) t.join();
+}
+
 int main(int argc, char** argv) {
   if (argc < 12) { fprintf(stderr, "usage: mode R K rule rnd H has_signs s0 seed hs dir\n"); return 2; }
   Job j;
@@ -576,11 +633,22 @@ int main(int argc, char** argv) {
   size_t n = (size_t)j.R * j.K;
   std::vector<float> x(n);
   FILE* f = fopen((dir + "/x.bin").c_str(), "rb"); fread(x.data(), 4, n, f); fclose(f);
-  bool nv = !strcmp(mode, "nv") || !strcmp(mode, "nvquad");
+  bool nv = !strcmp(mode, "nv") || !strcmp(mode, "nvquad") || !strcmp(mode, "nvqcols");
   std::vector<u8> codes(n / 2, 0xAA), scales(n / (nv ? 16 : 32), 0xAA), mask(n / 8, 0xAA);
   j.x = x.data(); j.codes = codes.data(); j.scales = scales.data(); j.mask = j.rule == 1 ? mask.data() : nullptr;
   bool quad = !strcmp(mode, "quad");
-  if (!strcmp(mode, "nvquad")) {
+  if (!strcmp(mode, "nvqcols")) {  // argv 15: 0 dense x, 4 an NVFP4 QTensor (qcodes.bin, qscales.bin); 16: its g
+    if (argc < 17) { fprintf(stderr, "nvqcols: ... s1 s2 s3 src gin\n"); return 2; }
+    const bool qt = atoi(argv[15]) == 4;
+    const float gin = strtof(argv[16], 0);
+    std::vector<u8> qc(qt ? n / 2 : 0), qs(qt ? n / 16 : 0);
+    if (qt) {
+      f = fopen((dir + "/qcodes.bin").c_str(), "rb"); fread(qc.data(), 1, qc.size(), f); fclose(f);
+      f = fopen((dir + "/qscales.bin").c_str(), "rb"); fread(qs.data(), 1, qs.size(), f); fclose(f);
+    }
+#define RUN_NVQC(R_, D_) if (j.rule == R_ && j.rnd == D_) run_nvqcols<R_, D_>(j, qt ? qc.data() : nullptr, qs.data(), gin);
+    RUN_NVQC(0, 0) RUN_NVQC(0, 1) RUN_NVQC(0, 2) RUN_NVQC(2, 0)
+  } else if (!strcmp(mode, "nvquad")) {
     if (std::max({16, j.H, j.rnd == 2 ? 128 : 0}) != 128) { fprintf(stderr, "nvquad needs 128-groups\n"); return 2; }
 #define RUN_NVQ(R_, D_) if (j.rule == R_ && j.rnd == D_) run_nvquad<R_, D_>(j);
     RUN_NVQ(0, 0) RUN_NVQ(0, 1) RUN_NVQ(0, 2) RUN_NVQ(2, 0)
@@ -726,6 +794,53 @@ def test_host_emulation_nv(emu_binary, mode, shape, dtype, rule, rnd, had, signe
            "scales": np.fromfile(d / "scales.bin", np.uint8).reshape(r, k // 16)}
     for name, want in (("codes", q.codes), ("scales", q.scales)):
         assert_same(torch.from_numpy(got[name]), want, f"emulated {mode} {name}")
+
+
+EMU_NVQCOLS_CASES = [  # (input shape (R, K): quantized along R; src, dtype, rule, rounding, hadamard, signed)
+    ((256, 40), "dense", torch.float32, "absmax", "eden", 128, True),  # K % 32: columns past K
+    ((128, 33), "dense", torch.bfloat16, "absmax", "eden", 128, False),
+    ((128, 48), "dense", torch.float32, "absmax", "sr", 128, True),
+    ((128, 32), "dense", torch.float32, "four_over_six", "rn", 128, True),
+    ((128, 24), "dense", torch.float32, "absmax", "eden", 64, True),
+    ((256, 48), "nvfp4", torch.bfloat16, "absmax", "eden", 128, True),  # quartet2's backward re-quantize
+    ((128, 80), "nvfp4", torch.float32, "absmax", "sr", 128, True),
+]
+
+
+@pytest.mark.parametrize("shape,src,dtype,rule,rnd,had,signed", EMU_NVQCOLS_CASES)
+def test_host_emulation_nv_cols_quad(emu_binary, shape, src, dtype, rule, rnd, had, signed):
+    """quant_cols' quad layout (nvq_col on the tiles, 4 host threads as a quad's lanes) against
+    fp4.quantize(axis=0) (src dense) or fp4.requantize of an NVFP4 QTensor (src nvfp4), bit for bit:
+    the tile's column mapping, the row signs applied at the load, the pre-pass and MS-EDEN."""
+    import numpy as np
+    d = emu_binary
+    r, k = shape
+    x = _emu_input_nv((k, r), dtype, r + k + had).t().contiguous()  # (R, K): lane specials in columns
+    signs = fp4.random_signs(had, 13) if signed else None
+    seed = 2468
+    opts = dict(scale_rule=rule, rounding=rnd, hadamard=had, signs=signs, seed=seed)
+    gin = 0.0
+    if src == "dense":
+        want = fp4.quantize(x, "nvfp4", axis=0, **opts)
+        x.numpy().astype(np.float32).tofile(d / "x.bin")
+    else:
+        qin = fp4.quantize(x, "nvfp4", scale_rule="four_over_six")
+        want = fp4.requantize(qin, "nvfp4", **opts)
+        torch.zeros(shape).numpy().astype(np.float32).tofile(d / "x.bin")
+        qin.codes.numpy().tofile(d / "qcodes.bin")
+        qin.scales.numpy().tofile(d / "qscales.bin")
+        gin = qin.tensor_scale.item()
+    hs = fp4._hadamard_scale(had) if had else 0.0
+    words = kernels.sign_words(signs) if signed else [0, 0, 0, 0]
+    args = [str(d / "emu"), "nvqcols", str(r), str(k), str(kernels.RULE_ID[rule]), str(kernels.ROUND_ID[rnd]),
+            str(had), str(int(signed)), str(words[0]), str(seed), repr(np.float32(hs).item()), str(d),
+            *(str(w) for w in words[1:4]), "0" if src == "dense" else "4", repr(np.float32(gin).item())]
+    subprocess.run(args, check=True, timeout=300)
+    assert want.codes.shape == (k, r // 2) and want.scales.shape == (k, r // 16)
+    got = {"codes": np.fromfile(d / "codes.bin", np.uint8).reshape(k, r // 2),
+           "scales": np.fromfile(d / "scales.bin", np.uint8).reshape(k, r // 16)}
+    for name, w in (("codes", want.codes), ("scales", want.scales)):
+        assert_same(torch.from_numpy(got[name]), w, f"emulated quad cols ({src}) {name}")
 
 
 BAD_OPTIONS = [
