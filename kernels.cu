@@ -1120,15 +1120,18 @@ __global__ void __launch_bounds__(256, (!NV && G == 32) ? FP4_MX_MINB : (!NV && 
     load_signs(p, has_signs, s0, s1, s2, s3);
     const u32 q = threadIdx.x & 3;
     nvq_lane_signs(p, q);
-    const u64 nchunks = (u64)R * K / 32;  // a multiple of 4: a quad is all valid or all not
-    const u64 stride = (u64)gridDim.x * blockDim.x;
+    // 32-bit indices (the host checks R * K / 32 < 2^31): with a 64-bit division by K (a branching
+    // subroutine) ptxas wrapped every shuffle below in a WARPSYNC/ENDCOLLECTIVE loop (cuobjdump -sass)
+    const u32 nchunks = (u32)((u64)R * K / 32);  // a multiple of 4: a quad is all valid or all not
+    const u32 stride = gridDim.x * blockDim.x, kc = K / 32;
     // launch constants only in the trip count: converged shuffles (as for G == 8 above)
-    const u64 iters = (nchunks + stride - 1) / stride;
-    for (u64 it = 0; it < iters; it++) {
-      const u64 c = it * stride + (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u32 iters = (nchunks + stride - 1) / stride;
+    for (u32 it = 0; it < iters; it++) {
+      const u32 c = it * stride + blockIdx.x * blockDim.x + threadIdx.x;
       const bool valid = c < nchunks;
-      const u64 e0 = valid ? c * 32 : 32 * q;  // the lane's first element (rows are contiguous)
-      const u32 orow = (u32)(e0 / K), ocol = (u32)(e0 - (u64)orow * K);
+      const u32 cv = valid ? c : q;  // the lane's chunk (row 0's chunk q when past the end)
+      const u32 orow = cv / kc, ocol = (cv - orow * kc) * 32;
+      const u64 e0 = (u64)orow * K + ocol;  // the lane's first element (rows are contiguous)
       float v[32];
       if (valid) load_dense<SRC, 32>(v, x, e0);
       else {

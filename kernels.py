@@ -245,6 +245,8 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
         if g_size == 8:  # warp-cooperative MXFP4: 8 elements a thread, 4 chunks in flight, one trip
             grid, block = (-(-n // (256 * 4)),), (256,)
         elif lanes == 4:  # quad NVFP4: 4 threads a 128-group, one trip up to 2^28 threads
+            if 4 * n >= 1 << 31:  # the kernel's 32-bit chunk indices
+                raise ValueError(f"tensor too large for the quad NVFP4 quantize kernel ({r} x {k}); FP4_NV128_ROWS=group")
             grid, block = (min(-(-4 * n // 256), 1 << 20),), (256,)
         elif not nv and g_size == 32:  # mx_rows: one resident wave, each thread loops over groups
             grid, block = (min(-(-n // 256), _MX_ROWS_CTAS_PER_SM * _sm_count(dev.index)),), (256,)
