@@ -67,6 +67,20 @@ def test_native_layout_preparation(fmt):
     assert torch.equal(args["mat_a"].view(torch.uint8), a.codes)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_bf16_backend_rounds_once_to_bf16(device):
+    """NVFP4 on the bf16 backend: its BF16 output (the FP32 product times the tensor scales,
+    rounded as stored) is the FP32 output rounded to BF16, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    a = fp4.quantize((torch.randn(96, 256, generator=g) * 7).to(device), "nvfp4")
+    b = fp4.quantize((torch.randn(64, 256, generator=g) * 0.01).to(device), "nvfp4")
+    got = fp4._mm_bf16(a, b, torch.bfloat16)  # the backend itself (fp4.mm allows it on CUDA only)
+    assert got.dtype == torch.bfloat16
+    want = fp4._mm_bf16(a, b, torch.float32).to(torch.bfloat16)
+    bad = (got != want).nonzero()[:5].tolist()
+    assert not bad, [(i, got[tuple(i)].item(), want[tuple(i)].item()) for i in bad]
+
+
 @cuda
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("shape", [(128, 256, 96), (512, 2048, 384), (64, 4096, 128)])
