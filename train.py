@@ -982,9 +982,10 @@ def main(argv=None):
     finally:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
-        # DDP's wrapper holds the process group: drop it while the group is up rather than at
-        # return, after it is destroyed (a 2-rank gloo run hung now and then right at that return)
-        model = None
+        # DDP's wrapper holds the process group: drop it (and train_model, which is it without
+        # cuda_graph) while the group is up rather than at return, after it is destroyed (a 2-rank
+        # gloo run hung now and then right at that return; with train_model kept, every time)
+        model = train_model = None
         if dist.is_initialized():
             dist.destroy_process_group()
     stats = dict(tokens=tokens, tokens_per_s=tokens / train_time if train_time else 0.0,
