@@ -71,9 +71,10 @@ def _qbytes(q):
     return sum(t.numel() * t.element_size() for t in (q.codes, q.scales, q.mask) if t is not None)
 
 
-def kernel_only(call):
+def kernel_only(call, which=None):
     """Record the kernel launches of call() and return a function that replays just those launches
-    (no allocation or argument checks): the kernels' own time."""
+    (no allocation or argument checks): the kernels' own time. which: replay only that launch
+    (e.g. 0 and 1: NVFP4's tensor-amax pre-pass and its quantize)."""
     import cupy as cp
     kernels.LAUNCH_LOG = log = []
     try:
@@ -81,6 +82,10 @@ def kernel_only(call):
     finally:
         kernels.LAUNCH_LOG = None
     launches = [item for item in log if item[0] != "keepalive"]
+    if which is not None:
+        if which >= len(launches):
+            raise ValueError(f"kernel_only(which={which}): the call made {len(launches)} launches")
+        launches = [launches[which]]
 
     def replay():
         with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
@@ -131,6 +136,12 @@ def section_kernels(args):
              kernel_only(lambda: fp4.quantize(x, "mxfp4", scale_rule="quest", hadamard=32, fold=True))),
             ("  kernel only: rotate_back (mask + H32, bf16)", 2 * xin + qf.mask.numel(),
              kernel_only(lambda: fp4._rotate_back(x, qf, 32))),
+            # NVFP4's two passes apart: where its full call's time goes
+            ("  kernel only: nv absmax rn, both passes", 2 * xin + _qbytes(qn), kernel_only(lambda: fp4.quantize(x, "nvfp4"))),
+            ("  kernel only: nv absmax rn, tensor-amax pre-pass", xin, kernel_only(lambda: fp4.quantize(x, "nvfp4"), 0)),
+            ("  kernel only: nv absmax rn, quantize pass", xin + _qbytes(qn), kernel_only(lambda: fp4.quantize(x, "nvfp4"), 1)),
+            ("  kernel only: nv sr RHT16, quantize pass (nvfp4 bwd E)", xin + _qbytes(qn),
+             kernel_only(lambda: fp4.quantize(x, "nvfp4", rounding="sr", hadamard=16, signs=fp4.random_signs(16, 3, "cuda")), 1)),
         ]
         for name, nbytes, fn in only:
             ms = bench(fn)
