@@ -692,6 +692,42 @@ def gap_rows(records):
             rows.append(row)
     return rows
 
+def curve_gaps(records):
+    """Each FP4 recipe's paired gap to its bf16 reference (reference_of) at every eval of the curve
+    both runs of a seed have, after step 0: dicts of size, tokens, group, ref, step, the reference's
+    mean loss there and the per-seed gaps. The evals' batches are drawn by the seed, so the pair
+    of a seed shares them. Whether a gap follows the loss reached or the optimizer and schedule:
+    compare the gaps at equal reference loss."""
+    out = []
+    for (size, tokens), groups in by_cell(records).items():
+        for group in group_order(groups):
+            ref = reference_of(group, groups)
+            if group.partition('+')[0] == REFERENCE or ref not in groups:
+                continue
+            pairs = [(groups[ref][s]['curve'], r['curve']) for s, r in sorted(groups[group].items())
+                     if r['status'] == 'ok' and groups[ref].get(s, {}).get('status') == 'ok']
+            if not pairs:
+                continue
+            steps = set.intersection(*(set(b['val_steps']) & set(q['val_steps']) for b, q in pairs)) - {0}
+            for step in sorted(steps):
+                at = [(b['val_loss'][b['val_steps'].index(step)], q['val_loss'][q['val_steps'].index(step)])
+                      for b, q in pairs]
+                out.append(dict(size=size, tokens=tokens, group=group, ref=ref, step=step,
+                                ref_loss=statistics.fmean(lb for lb, _ in at), gaps=[lq / lb - 1 for lb, lq in at]))
+    return out
+
+def curve_gap_table(records):
+    gaps = curve_gaps(records)
+    if not gaps:
+        return ''
+    lines = ['Each FP4 recipe\'s gap along the curve (the evals\' per-seed batches, paired by seed): compare '
+             'the gaps at equal reference loss to tell the loss reached from the optimizer and schedule.', '',
+             '| size | tokens | recipe | against | step | reference val loss | gap per seed |', '|---|---|---|---|---|---|---|']
+    for g in gaps:
+        lines.append(f"| {g['size']} | {tokens_label(g['tokens'])} | {g['group']} | {g['ref']} | {g['step']} | "
+                     f"{g['ref_loss']:.3f} | {', '.join(f'{100 * x:+.2f}%' for x in g['gaps'])} |")
+    return '\n'.join(lines) + '\n'
+
 def fmt_gap(gap):
     if gap is None or gap['n'] == 0:
         return '—', '—'
@@ -908,6 +944,7 @@ def report(directory, exponents='auto', n_boot=200, log=print):
         md += ['', '(sd: the seed sd of what the gap is against, relative to its mean; "within" where the '
                'mean gap is no larger: the issues\' "within the seed spread")']
         md.append('')
+    md += [curve_gap_table(records)]
     md += [f'Published: {PUBLISHED}.', '', published_law_gaps(rows), '',
            'Eval noise beside seed noise (bf16): ' + ('; '.join(noise) or 'needs >= 2 seeds') + '.', '',
            law_md, '', 'Plots: ' + ', '.join(f'`{p}`' for p in pngs) + '.',

@@ -164,6 +164,24 @@ def test_report_pairs_an_fp4_variant_with_its_twin(tmp_path):
     assert '| bf16+adamw_fp4 | +0.00% (sd 1.75%: within) |' in md  # against bf16 (4.0, 4.1): sd 0.0707 / 4.05
 
 
+def test_curve_gaps_pair_each_eval_by_seed(tmp_path):
+    """quartet against bf16 at every shared eval after step 0, per seed; bf16 variants get none."""
+    curves = {('bf16', 0): [8.0, 5.0, 4.0], ('bf16', 1): [8.0, 5.2, 4.2],
+              ('quartet', 0): [8.0, 5.1, 4.04], ('quartet', 1): [8.0, 5.2, 4.41]}
+    for (recipe, seed), val in curves.items():
+        run = study.Run('30m', 13e6, recipe, seed, '')
+        study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+            id=run.id, group=recipe, recipe=recipe, variant='', seed=seed, model_size='30m', tokens=13e6,
+            n_params=30e6, epochs=0.1, status='ok', val_loss=val[-1], val_loss_se=0.01, tokens_per_s=1e5,
+            git_commit='abc', corpus=dict(train_sha1='f00'),
+            curve=dict(train_loss=[8.0, val[-1]], val_steps=[0, 5, 10], val_loss=val)))
+    gaps = study.curve_gaps(study.load_records(str(tmp_path)))
+    assert [(g['group'], g['ref'], g['step']) for g in gaps] == [('quartet', 'bf16', 5), ('quartet', 'bf16', 10)]
+    assert gaps[0]['ref_loss'] == pytest.approx(5.1) and gaps[0]['gaps'] == pytest.approx([0.02, 0.0])
+    assert gaps[1]['gaps'] == pytest.approx([0.01, 0.05])
+    study.report(str(tmp_path), n_boot=10, log=lambda m: None)
+    assert '| 30m | 13M | quartet | bf16 | 10 | 4.100 | +1.00%, +5.00% |' in (tmp_path / 'report.md').read_text()
+
 def test_report_fits_the_law_from_run_records(tmp_path):
     """Run JSONs whose val losses follow the law (3 sizes x 2 budgets, 2 seeds, seed noise
     0.002): the report's gap table, variant table, law table near the truth, and PNGs."""
