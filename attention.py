@@ -756,8 +756,9 @@ def _bwd_layout():
     return layout
 
 
-def triton_backward(do, o, lse, qq, kq, vq, causal, scale, seed, ds_rounding, num_warps=8, num_stages=2):
-    """dQ, dK, dV in O's dtype (Triton); seed: an int32 tensor (1,) on the device."""
+def triton_backward(do, o, lse, qq, kq, vq, causal, scale, seed, ds_rounding, num_warps=8, num_stages=2, layout=None):
+    """dQ, dK, dV in O's dtype (Triton); seed: an int32 tensor (1,) on the device; layout: one of
+    BWD_LAYOUTS, or None for FP4_ATTENTION_BWD (_bwd_layout)."""
     b, h, t, d, group, bd = _launch_shape(qq, kq)
     if t > 65536 or b * h * (t + 15) * d >= 2**31:
         raise ValueError(f"FP4 attention's backward indexes with 32 bits: needs T <= 65536 and B*H*T*D < 2^31, "
@@ -774,7 +775,9 @@ def triton_backward(do, o, lse, qq, kq, vq, causal, scale, seed, ds_rounding, nu
     opt = [_operand(x, codes, tokens=True) for x in (qt, kt)]
     common = dict(D=d, BD=bd, CAUSAL=causal, SR=ds_rounding == "sr", CODES=codes, INTERP=_interpreting(),
                   num_warps=num_warps, num_stages=num_stages)
-    fused = _bwd_layout() == "fused"
+    if layout is not None and layout not in BWD_LAYOUTS:
+        raise ValueError(f"layout={layout!r}: choose one of {', '.join(BWD_LAYOUTS)}")
+    fused = (layout or _bwd_layout()) == "fused"
     if fused:
         dq32 = torch.zeros(b, h, t, d, dtype=torch.float32, device=do.device)
     else:

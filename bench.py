@@ -845,18 +845,10 @@ def _fp4_attention_parts(attn, q, k, v, do):
             attn.triton_forward(qq, kq, vq, True, sc, torch.bfloat16, num_warps=w, num_stages=st))
         parts[f"backward (all of it), warps {warps} stages {stages}"] = lambda w=warps, st=stages: (
             attn.triton_backward(do, o, lse, qq, kq, vq, True, sc, seed, "sr", num_warps=w, num_stages=st))
-        parts[f"backward, fused (FP4_ATTENTION_BWD=fused), warps {warps} stages {stages}"] = (
-            lambda w=warps, st=stages: _fused_backward(attn, do, o, lse, qq, kq, vq, sc, seed, w, st))
+        parts[f"backward, fused (FP4_ATTENTION_BWD=fused), warps {warps} stages {stages}"] = lambda w=warps, st=stages: (
+            attn.triton_backward(do, o, lse, qq, kq, vq, True, sc, seed, "sr", num_warps=w, num_stages=st, layout="fused"))
     return [dict(shape=f"{b}x{h}x{t}x{d} causal", attention=f"fp4 part: {name}", part_ms=round(bench(fn), 3))
             for name, fn in parts.items()]
-
-
-def _fused_backward(attn, do, o, lse, qq, kq, vq, sc, seed, warps, stages):
-    os.environ["FP4_ATTENTION_BWD"] = "fused"
-    try:
-        return attn.triton_backward(do, o, lse, qq, kq, vq, True, sc, seed, "sr", num_warps=warps, num_stages=stages)
-    finally:
-        os.environ.pop("FP4_ATTENTION_BWD", None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -320,15 +320,13 @@ def compare_kernels(cases, device, operands=("codes", "bf16"), layouts=A.BWD_LAY
             seed = torch.tensor([1000 + t], dtype=torch.int32, device=device)
             want = A.reference_backward(do, o, lse, qq, kq, vq, causal, sc, 1000 + t, rnd)
             for layout in layouts if mode == operands[-1] else ("split",):  # the fused backward: one operand mode
-                os.environ["FP4_ATTENTION_BWD"] = layout
-                grads = A.triton_backward(do, o, lse, qq, kq, vq, causal, sc, seed, rnd)
+                grads = A.triton_backward(do, o, lse, qq, kq, vq, causal, sc, seed, rnd, layout=layout)
                 if layout == "split":
                     outs[mode] = (o, lse) + tuple(grads)
                 rows.append(dict(case=(b, h, hkv, t, d, causal, rnd), operands=mode, backward=layout, o=rel(o, o_r),
                                  lse=float((lse - lse_r).abs().max()), dq=rel(grads[0], want[0]),
                                  dk=rel(grads[1], want[1]), dv=rel(grads[2], want[2])))
         os.environ.pop("FP4_ATTENTION_OPERANDS", None)
-        os.environ.pop("FP4_ATTENTION_BWD", None)
         if len(outs) == 2:  # the two operand modes feed the same numbers to the same dots
             rows[-1]["modes_equal"] = all(torch.equal(x, y) for x, y in zip(*outs.values()))
     return rows
