@@ -722,7 +722,16 @@ def graphed(model, data, ctx):
         # allow_unused_input: a parameter the loss does not reach gets no gradient rather than an error
         fn = torch.cuda.make_graphed_callables(LossOf(model), (x, y), num_warmup_iters=3, allow_unused_input=True)
     log(f'cuda_graph: forward and backward captured as CUDA graphs in {time.time() - t0:.1f} s')
-    return lambda x, y: (None, fn(x, y))
+    return Graphed(model, fn)
+
+class Graphed(torch.nn.Module):
+    """graphed()'s result: model's parameters (for clipping) and a forward that replays the graphs."""
+    def __init__(self, model, fn):
+        super().__init__()
+        self.model, self.fn = model, fn
+
+    def forward(self, x, y):
+        return None, self.fn(x, y)
 
 def train_step(model, optimizer, data, it, accum, rank, ctx):
     """Forward/backward over accum micro-batches, clip, check, step. Returns (loss, norm).
