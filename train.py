@@ -722,6 +722,14 @@ def graphed(model, data, ctx):
         # allow_unused_input: a parameter the loss does not reach gets no gradient rather than an error
         fn = torch.cuda.make_graphed_callables(LossOf(model), (x, y), num_warmup_iters=3, allow_unused_input=True)
     log(f'cuda_graph: forward and backward captured as CUDA graphs in {time.time() - t0:.1f} s')
+    # The backward graph hands out the same gradient buffers each replay. Into a .grad that is None,
+    # autograd may store such a buffer itself, which the next micro-step's replay then overwrites:
+    # with accumulation, the step would get twice the last micro-step's gradient (measured on the
+    # H200). A .grad that exists is added to in place, so the gradients stay allocated (train_step
+    # zeroes them instead of freeing them).
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
     return Graphed(model, fn)
 
 class Graphed(torch.nn.Module):
@@ -757,7 +765,7 @@ def train_step(model, optimizer, data, it, accum, rank, ctx):
         raise SystemExit(f'non-finite loss ({loss}) or gradient norm ({norm}) at step {it}: '
                          f'stopped before the optimizer step; {out_dir}/ckpt.pt is the last good state')
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=not isinstance(model, Graphed))  # graphed(): why
     return loss, norm
 
 # -----------------------------------------------------------------------------
