@@ -643,12 +643,26 @@ def group_order(groups):
     rank = {r: i for i, r in enumerate(RECIPES)}
     return sorted(groups, key=lambda g: ('+' in g, rank.get(g.split('+')[0], 99), g))
 
+def optimizer_of(group, groups):
+    """The --optimizer a group's runs were given in their variant's flags ('' for the default)."""
+    flags = next(iter(groups[group].values())).get('flags') or ()
+    return next((f.partition('=')[2] for f in flags if f.startswith('--optimizer=')), '')
+
 def reference_of(group, groups):
     """The runs a group's gap is taken against: bf16 under the same variant if the cell has
-    it (e.g. bf16+root for quartet+root), else plain bf16."""
-    variant = group.partition('+')[2]
+    it (e.g. bf16+root for quartet+root); else, for an FP4 recipe whose variant changes the
+    optimizer, bf16 under that optimizer without FP4 (fullstack+full, which trains with
+    root_fp4, against bf16+root: ROOT alone lowers the loss by ~11% here, which is not FP4's doing);
+    else plain bf16."""
+    base, _, variant = group.partition('+')
     same = f'{REFERENCE}+{variant}' if variant else REFERENCE
-    return same if same in groups and same != group else REFERENCE
+    if same in groups and same != group:
+        return same
+    opt = optimizer_of(group, groups).partition('_fp4')[0]
+    twin = f'{REFERENCE}+{opt}'
+    if base != REFERENCE and opt not in ('', 'adamw') and twin in groups:
+        return twin
+    return REFERENCE
 
 def loss_key(groups):
     """The loss a cell compares: 'val_loss_split' (the same val text for every run) where every

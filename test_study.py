@@ -164,6 +164,30 @@ def test_report_pairs_an_fp4_variant_with_its_twin(tmp_path):
     assert '| bf16+adamw_fp4 | +0.00% (sd 1.75%: within) |' in md  # against bf16 (4.0, 4.1): sd 0.0707 / 4.05
 
 
+def test_fp4_recipe_with_its_own_optimizer_is_compared_to_bf16_under_that_optimizer(tmp_path):
+    """fullstack+full trains with --optimizer=root_fp4: its gap is against bf16+root (the same
+    optimizer without FP4), not against bf16 under AdamW; with no bf16+root runs, against bf16."""
+    losses = {('bf16', ''): (4.0, 4.1), ('bf16', 'root'): (3.6, 3.5), ('fullstack', 'full'): (3.69, 3.57)}
+    flags = {'root': ['--optimizer=root'], 'full': ['--attention=nvfp4', '--optimizer=root_fp4']}
+    for (recipe, variant), pair in losses.items():
+        for seed, L in enumerate(pair):
+            run = study.Run('30m', 13e6, recipe, seed, variant)
+            study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+                id=run.id, group=f'{recipe}+{variant}' if variant else recipe, recipe=recipe, variant=variant,
+                flags=flags.get(variant, []), seed=seed, model_size='30m', tokens=13e6, n_params=30e6, epochs=0.1,
+                status='ok', val_loss=L, val_loss_se=0.01, tokens_per_s=1e5, git_commit='abc',
+                corpus=dict(train_sha1='f00'), curve=dict(train_loss=[8.0, L], val_steps=[0, 10], val_loss=[8.0, L])))
+    rows, _ = study.report(str(tmp_path), n_boot=10, log=lambda m: None)
+    full = next(r for r in rows if r['group'] == 'fullstack+full')
+    assert full['ref'] == 'bf16+root'
+    assert full['gap']['rel'] == pytest.approx((3.69 / 3.6 + 3.57 / 3.5) / 2 - 1)
+    assert [g['ref'] for g in study.curve_gaps(study.load_records(str(tmp_path)))] == ['bf16+root']
+    (tmp_path / '30m-13M-bf16-root-s0.json').unlink()
+    (tmp_path / '30m-13M-bf16-root-s1.json').unlink()
+    rows, _ = study.report(str(tmp_path), n_boot=10, log=lambda m: None)
+    assert next(r for r in rows if r['group'] == 'fullstack+full')['ref'] == 'bf16'
+
+
 def test_curve_gaps_pair_each_eval_by_seed(tmp_path):
     """quartet against bf16 at every shared eval after step 0, per seed; bf16 variants get none."""
     curves = {('bf16', 0): [8.0, 5.0, 4.0], ('bf16', 1): [8.0, 5.2, 4.2],
