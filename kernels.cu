@@ -1209,29 +1209,57 @@ __device__ __forceinline__ void e2m1x8_to_f16(u32 w, u32* h) {
 }
 
 // A dense input's tile (SRC 0-2: FP32, BF16, FP16), signs applied; LANES: tile_at's layout.
+// NT: quant_cols' blockDim (its launch bounds, which fp4's launch matches). The vector path issues
+// up to 4 of a thread's 16-byte loads before the first is used: as a loop over a runtime blockDim
+// it had one load in flight a thread (cuobjdump -sass: LDG.128 then STS.128, per trip).
+template <int SRC, int VEC>
+__device__ __forceinline__ void unpack_vec(float (&v)[VEC], const uint4& raw) {
+  const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    if constexpr (SRC == 0) v[k] = __uint_as_float(w[k]);
+    else if constexpr (SRC == 1) bf16x2_to_f32(w[k], v[2 * k], v[2 * k + 1]);
+    else f16x2_to_f32(w[k], v[2 * k], v[2 * k + 1]);
+  }
+}
+
 template <int SRC, int G, int LANES>
 __device__ __forceinline__ void load_tile(float* tile, const void* __restrict__ x, u32 R, u32 K, u32 r0, u32 c0,
                                           const RowSigns& sw) {
   const int nt = blockDim.x;
   {
-    constexpr int VEC = SRC == 0 ? 4 : 8;
+    constexpr int VEC = SRC == 0 ? 4 : 8;  // elements a 16-byte load
+    constexpr int NT = LANES == 4 ? 4 * TILE_C : 32 * TILE_R / G;
+    constexpr int PER = TILE_R * (TILE_C / VEC) / NT;  // loads a thread
+    constexpr int B = PER < 4 ? PER : 4;               // of them in flight at once
+    static_assert(PER * NT == TILE_R * (TILE_C / VEC) && PER % B == 0, "quant_cols' tile and blockDim");
     const bool vec = (K % VEC == 0) && (c0 + TILE_C <= K);
     if (vec) {
-      for (int e = threadIdx.x; e < TILE_R * (TILE_C / VEC); e += nt) {
-        int rr = e / (TILE_C / VEC), cc = (e % (TILE_C / VEC)) * VEC;
-        float v[VEC];
-        if (r0 + rr < R) {
-          load_dense<SRC, VEC>(v, x, (u64)(r0 + rr) * K + c0 + cc);
-        } else {
+      const int esz = SRC == 0 ? 4 : 2;  // bytes an element
+#pragma unroll 1
+      for (int i0 = 0; i0 < PER; i0 += B) {
+        uint4 raw[B];
 #pragma unroll
-          for (int i = 0; i < VEC; i++) v[i] = 0.0f;
+        for (int b = 0; b < B; b++) {
+          const int e = threadIdx.x + (i0 + b) * NT;
+          const int rr = e / (TILE_C / VEC), cc = (e % (TILE_C / VEC)) * VEC;
+          raw[b] = r0 + rr < R ? __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const u8*>(x) +
+                                                                     ((u64)(r0 + rr) * K + c0 + cc) * esz))
+                               : make_uint4(0u, 0u, 0u, 0u);  // zeros: +0.0 in every format
         }
-        const u32 sg = row_sign<G>(sw, rr);
 #pragma unroll
-        for (int i = 0; i < VEC; i++) v[i] = __uint_as_float(__float_as_uint(v[i]) ^ sg);
+        for (int b = 0; b < B; b++) {
+          const int e = threadIdx.x + (i0 + b) * NT;
+          const int rr = e / (TILE_C / VEC), cc = (e % (TILE_C / VEC)) * VEC;
+          float v[VEC];
+          unpack_vec<SRC, VEC>(v, raw[b]);
+          const u32 sg = row_sign<G>(sw, rr);
 #pragma unroll
-        for (int i = 0; i < VEC; i += 4)
-          *reinterpret_cast<float4*>(tile + tile_at<LANES>(rr, cc + i)) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+          for (int i = 0; i < VEC; i++) v[i] = __uint_as_float(__float_as_uint(v[i]) ^ sg);
+#pragma unroll
+          for (int i = 0; i < VEC; i += 4)
+            *reinterpret_cast<float4*>(tile + tile_at<LANES>(rr, cc + i)) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+        }
       }
     } else {
       for (int e = threadIdx.x; e < TILE_R * TILE_C; e += nt) {
