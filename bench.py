@@ -129,6 +129,8 @@ def section_kernels(args):
              kernel_only(lambda: fp4.quantize(x, "mxfp4", scale_rule="quest", hadamard=32))),
             ("  kernel only: mx absmax RHT32 sr", xin + _qbytes(qf) - qf.mask.numel(),
              kernel_only(lambda: fp4.quantize(x, "mxfp4", rounding="sr", hadamard=32, signs=signs))),
+            ("  kernel only: mx absmax RHT32 sr axis0 (bwd E^T)", xin + _qbytes(qf) - qf.mask.numel(),
+             kernel_only(lambda: fp4.quantize(x, "mxfp4", axis=0, rounding="sr", hadamard=32, signs=signs))),
             ("  kernel only: requant mx RHT32 sr", 2 * (_qbytes(qf) - qf.mask.numel()),
              kernel_only(lambda: fp4.requantize(qf, rounding="sr", hadamard=32, signs=signs))),
             ("  kernel only: mx absmax rn", xin + _qbytes(qf) - qf.mask.numel(), kernel_only(lambda: fp4.quantize(x, "mxfp4"))),
@@ -172,6 +174,36 @@ def section_kernels(args):
         del x, y, qf, qn
         torch.cuda.empty_cache()
     print_table(rows, ["shape", "kernel", "ms", "GBs", "pct_copy"])
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# fusion: the most that fusing each FP4 linear's input quantize into the op before it could save
+# (issue #10 item 3). Fused, RMSNorm -> quantize (qkv, gate_up) and SwiGLU -> quantize (down)
+# would never write their BF16 output nor read it back; everything else stays. So the gain is at
+# most one write + one read of those activations: timed here as device copies of the same sizes.
+
+def fusion_activations(size, tokens):
+    """[(name, rows, cols)] a layer of model `size`: the BF16 tensors fusion would not write."""
+    import model as llama
+    cfg = llama.config_for(size)
+    return [("ln_1 out -> qkv", tokens, cfg.n_embd), ("ln_2 out -> gate_up", tokens, cfg.n_embd),
+            ("SwiGLU out -> down", tokens, cfg.ffn_hidden)]
+
+
+def section_fusion(args):
+    tokens, layers = args.batch * args.seq, llama_layers(args.model)
+    rows, total = [], 0.0
+    for name, r, c in fusion_activations(args.model, tokens):
+        x = torch.randn(r, c, device="cuda").to(torch.bfloat16)
+        y = torch.empty_like(x)
+        ms = bench(lambda: y.copy_(x))  # one read + one write of the activation
+        total += ms * layers
+        rows.append(dict(activation=name, shape=f"{r}x{c}", ms_a_layer=ms, ms_a_step=ms * layers))
+        del x, y
+    rows.append(dict(activation=f"all ({args.model}, {tokens} tokens, {layers} layers)", shape="",
+                     ms_a_layer=total / layers, ms_a_step=total))
+    print_table(rows, ["activation", "shape", "ms_a_layer", "ms_a_step"])
     return rows
 
 
@@ -1038,7 +1070,7 @@ def llama_layers(size):
 SECTIONS = {"overhead": section_overhead, "profile": section_profile, "kernels": section_kernels, "accum": section_accum, "linear": section_linear, "step": section_step,
             "step_profile": section_step_profile,
             "ns_time": section_ns_time, "attention": section_attention,
-            "optim": section_optim, "saved": section_saved}
+            "optim": section_optim, "saved": section_saved, "fusion": section_fusion}
 CPU_SECTIONS = {"saved"}  # sections that also run without a GPU
 ON_REQUEST = {"step_profile"}  # not in the default sections (a diagnosis, not a comparison)
 MOVED = {"ns": "measure.py", "states": "measure.py"}  # accuracy sections that live in measure.py now

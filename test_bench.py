@@ -171,3 +171,12 @@ def test_step_profile_on_gpu():
         assert 0 < r['gpu_busy_ms'] < 1.5 * r['ms'] and ms == sorted(ms, reverse=True) and ms[0] > 0, r
         assert abs(sum(r['family_ms'].values()) - r['gpu_busy_ms']) < 0.05 * r['gpu_busy_ms'], r
     assert rows[1]['family_ms'].get('fp4 (kernels.cu)', 0) > 0  # quartet's quantizations, found by name
+
+
+def test_fusion_activations_are_the_linears_inputs():
+    """The fusion bound times the inputs of qkv, gate_up and down, as a block builds them."""
+    import model as llama
+    block = llama.Block(llama.config_for("tiny"))
+    want = [block.attn.qkv.in_features, block.mlp.gate_up.in_features, block.mlp.down.in_features]
+    got = bench.fusion_activations("tiny", 1000)
+    assert [c for _, _, c in got] == want and [r for _, r, _ in got] == [1000] * 3
