@@ -1036,15 +1036,21 @@ def section_ns_time(args):
     mats = {s: torch.randn(*s, device="cuda", generator=gen) for s in set(shapes)}
     rows = []
     for precision, design in [("fp32", "-"), ("bf16", "-"), ("nvfp4", "residual"), ("nvfp4", "bf16_tail"),
-                              ("nvfp4", "compensated_tail")]:
-        d = design if design != "-" else "compensated_tail"
+                              ("nvfp4", "compensated_tail"), ("nvfp4", "residual, graphed"),
+                              ("nvfp4", "compensated_tail, graphed")]:
+        d = design.partition(",")[0] if design != "-" else "compensated_tail"
         stats = {}
+        ns = optim.GraphedNS() if design.endswith("graphed") else None  # ROOT's default on a GPU
 
         def step(stats=None):
             for s in shapes:
-                optim.newton_schulz(mats[s], 5, optim.ns_coefficients(s, "root"), precision, d, stats)
+                abc = optim.ns_coefficients(s, "root")
+                if ns is not None and stats is None:
+                    ns(mats[s], 5, abc, precision, d)
+                else:
+                    optim.newton_schulz(mats[s], 5, abc, precision, d, stats)
 
-        step(stats)
+        step(stats)  # counts the FLOPs (eagerly: a graph replays the same GEMMs)
         ms = bench(step, warmup=1, reps=3)
         total = sum(stats.values())
         cost = stats.get("nvfp4", 0) / FP4_SPEEDUP + stats.get("bf16", 0) + stats.get("fp32", 0)

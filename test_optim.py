@@ -1021,6 +1021,46 @@ def test_root_two_term_momentum():
     assert optim.state_bytes(opt) == 2 * (64 * 128 * 9 // 16 + 4)
 
 
+def _root_run(ns_graph, shapes, steps=3, device="cuda"):
+    """ROOT with ns='nvfp4' for `steps` steps on fixed parameters and gradients of `shapes`."""
+    g = torch.Generator(device=device).manual_seed(11)
+    ps = [torch.nn.Parameter(torch.randn(*s, generator=g, device=device)) for s in shapes]
+    grads = [[torch.randn(*s, generator=g, device=device) for s in shapes] for _ in range(steps)]
+    opt = optim.ROOT(ps, lr=0.02, ns="nvfp4", state="bf16", ns_graph=ns_graph)
+    for step in grads:
+        for p, gr in zip(ps, step):
+            p.grad = gr.clone()
+        opt.step()
+    return [p.detach() for p in ps], opt
+
+
+def test_graphed_ns_off_the_gpu_is_newton_schulz():
+    """GraphedNS falls through to newton_schulz where no graph applies (CPU, or not nvfp4)."""
+    G = torch.randn(32, 48, generator=torch.Generator().manual_seed(3))
+    ns = optim.GraphedNS()
+    for precision in optim.NS_PRECISIONS:
+        assert torch.equal(ns(G, 5, optim.MUON_COEFFICIENTS, precision),
+                           optim.newton_schulz(G, 5, optim.MUON_COEFFICIENTS, precision))
+    assert ns.graphs == {}
+    (plain,), _ = _root_run(False, [(32, 48)], steps=2, device="cpu")
+    (graphed,), _ = _root_run(True, [(32, 48)], steps=2, device="cpu")
+    assert torch.equal(plain, graphed)
+    with pytest.raises(TypeError, match="ns_graph"):
+        optim.ROOT([torch.nn.Parameter(torch.zeros(16, 16))], ns_graph="yes")
+
+
+@gpu
+def test_graphed_ns_replays_the_same_update_on_gpu():
+    """ROOT's nvfp4 Newton-Schulz replayed as CUDA graphs gives the eager run's weights bit for
+    bit (the same kernels on the same values), one graph per shape (two matrices share one)."""
+    shapes = [(128, 384), (256, 128), (128, 384)]
+    eager, _ = _root_run(False, shapes)
+    graphed, opt = _root_run(True, shapes)
+    assert len(opt._ns.graphs) == 2 and all(v is not None for v in opt._ns.graphs.values())
+    for i, (a, b) in enumerate(zip(eager, graphed)):
+        assert torch.equal(a, b), f"param {i}: max |diff| {float((a - b).abs().max()):.3g}"
+
+
 def test_root_bad_input():
     with pytest.raises(ValueError, match="1-D parameter of shape"):
         optim.ROOT([torch.nn.Parameter(torch.zeros(8))])
