@@ -676,6 +676,9 @@ _NS_STEPS = {
 # of its input (round-to-nearest NVFP4: no seeds; no lr), so each shape's is captured once and
 # replayed: the same kernels on the same values.
 
+NS_GRAPH = os.environ.get("FP4_NS_GRAPH", "1") != "0"  # ROOT's ns_graph default; 0 turns the graphs off
+
+
 class GraphedNS:
     """newton_schulz(u, steps, coefficients, precision, design) with nvfp4 on a GPU as one CUDA
     graph per (shape, dtype, device, arguments); anything else runs newton_schulz directly. The
@@ -787,15 +790,16 @@ class ROOT(PackedStates, torch.optim.Optimizer):
     rounded to nearest (1.125 B/param); see ROOT_STATES for what they cost. Muon is
     ROOT(coefficients='muon', soft_threshold=None); 1-D, 3-D and embedding weights belong on AdamW
     (build() sorts them). ns_graph: on a GPU, replay ns='nvfp4' Newton-Schulz as one CUDA graph per
-    matrix shape (GraphedNS: the same kernels, without their launch cost)."""
+    matrix shape (GraphedNS: the same kernels, without their launch cost); None: FP4_NS_GRAPH (on)."""
 
     def __init__(self, params, lr=1.5e-3, momentum=0.95, weight_decay=0.1, coefficients="root",
                  soft_threshold=0.9, ns="bf16", state="fp32", nesterov=True, ns_steps=5,
-                 ns_design="compensated_tail", scale="rms", ns_graph=True):
+                 ns_design="compensated_tail", scale="rms", ns_graph=None):
         _check_root_options(lr, momentum, weight_decay, coefficients, soft_threshold, ns, state,
                             ns_steps, ns_design, scale)
+        ns_graph = NS_GRAPH if ns_graph is None else ns_graph
         if not isinstance(ns_graph, bool):
-            raise TypeError(f"ns_graph must be True or False, got {ns_graph!r}")
+            raise TypeError(f"ns_graph must be True, False or None (FP4_NS_GRAPH's default), got {ns_graph!r}")
         self._ns = GraphedNS() if ns_graph else newton_schulz  # graphs only where they apply
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, coefficients=coefficients,
                         soft_threshold=soft_threshold, ns=ns, state=state, nesterov=nesterov,
