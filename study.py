@@ -698,13 +698,17 @@ def gap_rows(records):
             if group != ref and ref in groups:
                 row['gap'] = paired_gap(val_losses(groups[ref], key), losses)
             base, _, variant = group.partition('+')
-            if variant and base in groups:
-                row['vs_base'] = paired_gap(val_losses(groups[base], key), losses)
+            own = base if base in groups else f'{base}+{WHOLE}'  # an ablation: against the whole recipe
+            if variant and own in groups and own != group:
+                row['base'], row['vs_base'] = own, paired_gap(val_losses(groups[own], key), losses)
             twin = f"{base}+{variant.partition('_fp4')[0]}"  # root_fp4's (root_fp4x2's) twin is root: not in FP4
             if '_fp4' in variant and twin in groups:
                 row['twin'], row['vs_twin'] = twin, paired_gap(val_losses(groups[twin], key), losses)
             rows.append(row)
     return rows
+
+WHOLE = 'full'  # the variant naming a recipe with all its parts (fullstack+full); its ablations compare with it
+
 
 def curve_gaps(records):
     """Each FP4 recipe's paired gap to its bf16 reference (reference_of) at every eval of the curve
@@ -947,12 +951,13 @@ def report(directory, exponents='auto', n_boot=200, log=print):
           f'several studies at once): how long runs took, not a speed measurement (bench.py is).', '',
           gap_table(rows), '']
     if variants:
-        md += ['Variants against their own recipe, and an `_fp4` variant against its twin without FP4 '
-               '(root_fp4 against root), paired by seed:', '',
-               '| size | tokens | variant | gap | 95% interval | twin | gap to twin | 95% interval |',
-               '|---|---|---|---|---|---|---|---|']
+        md += ['Variants against their own recipe (an ablation, where the plain recipe has no runs, against '
+               f'its `+{WHOLE}` variant: what leaving that part out costs), and an `_fp4` variant against its '
+               'twin without FP4 (root_fp4 against root), paired by seed:', '',
+               '| size | tokens | variant | against | gap | 95% interval | twin | gap to twin | 95% interval |',
+               '|---|---|---|---|---|---|---|---|---|']
         for r in variants:
-            cells = (gap_cells(r['vs_base'], r['group'].partition('+')[0], r, rows) + (r.get('twin', '—'),)
+            cells = ((r['base'],) + gap_cells(r['vs_base'], r['base'], r, rows) + (r.get('twin', '—'),)
                      + gap_cells(r.get('vs_twin'), r.get('twin'), r, rows))
             md.append(f"| {r['size']} | {tokens_label(r['tokens'])} | {r['group']} | {' | '.join(cells)} |")
         md += ['', '(sd: the seed sd of what the gap is against, relative to its mean; "within" where the '

@@ -161,14 +161,16 @@ def test_report_pairs_an_fp4_variant_with_its_twin(tmp_path):
     md = (tmp_path / 'report.md').read_text()
     sd = np.std([3.6, 3.5], ddof=1) / 3.55  # root's seed sd, relative: 1.99% < the gap's 2.54%
     assert f"| bf16+root | {100 * want:+.2f}% (sd {100 * sd:.2f}%: outside) |" in md
-    assert '| bf16+adamw_fp4 | +0.00% (sd 1.75%: within) |' in md  # against bf16 (4.0, 4.1): sd 0.0707 / 4.05
+    assert '| bf16+adamw_fp4 | bf16 | +0.00% (sd 1.75%: within) |' in md  # against bf16 (4.0, 4.1): sd 0.0707 / 4.05
 
 
 def test_fp4_recipe_with_its_own_optimizer_is_compared_to_bf16_under_that_optimizer(tmp_path):
     """fullstack+full trains with --optimizer=root_fp4: its gap is against bf16+root (the same
     optimizer without FP4), not against bf16 under AdamW; with no bf16+root runs, against bf16."""
-    losses = {('bf16', ''): (4.0, 4.1), ('bf16', 'root'): (3.6, 3.5), ('fullstack', 'full'): (3.69, 3.57)}
-    flags = {'root': ['--optimizer=root'], 'full': ['--attention=nvfp4', '--optimizer=root_fp4']}
+    losses = {('bf16', ''): (4.0, 4.1), ('bf16', 'root'): (3.6, 3.5), ('fullstack', 'full'): (3.69, 3.57),
+              ('fullstack', 'no_attn'): (3.60, 3.57)}
+    flags = {'root': ['--optimizer=root'], 'full': ['--attention=nvfp4', '--optimizer=root_fp4'],
+             'no_attn': ['--optimizer=root_fp4']}
     for (recipe, variant), pair in losses.items():
         for seed, L in enumerate(pair):
             run = study.Run('30m', 13e6, recipe, seed, variant)
@@ -181,9 +183,13 @@ def test_fp4_recipe_with_its_own_optimizer_is_compared_to_bf16_under_that_optimi
     full = next(r for r in rows if r['group'] == 'fullstack+full')
     assert full['ref'] == 'bf16+root'
     assert full['gap']['rel'] == pytest.approx((3.69 / 3.6 + 3.57 / 3.5) / 2 - 1)
-    assert [g['ref'] for g in study.curve_gaps(study.load_records(str(tmp_path)))] == ['bf16+root']
-    (tmp_path / '30m-13M-bf16-root-s0.json').unlink()
-    (tmp_path / '30m-13M-bf16-root-s1.json').unlink()
+    ablation = next(r for r in rows if r['group'] == 'fullstack+no_attn')  # against the whole recipe too
+    assert ablation['ref'] == 'bf16+root' and ablation['base'] == 'fullstack+full'
+    assert ablation['vs_base']['rel'] == pytest.approx((3.60 / 3.69 + 1) / 2 - 1)
+    assert '| 30m | 13M | fullstack+no_attn | fullstack+full |' in (tmp_path / 'report.md').read_text()
+    assert [g['ref'] for g in study.curve_gaps(study.load_records(str(tmp_path)))] == ['bf16+root'] * 2
+    for seed in (0, 1):
+        (tmp_path / f'30m-13M-bf16-root-s{seed}.json').unlink()
     rows, _ = study.report(str(tmp_path), n_boot=10, log=lambda m: None)
     assert next(r for r in rows if r['group'] == 'fullstack+full')['ref'] == 'bf16'
 
