@@ -39,6 +39,10 @@
 //       NVFP4 G == 128 with LANES == 4 (FP4_NV128_COLS=quad; kernels.nv128_cols_layout) is the
 //       warp-cooperative variant: 128 threads a tile, a lane quad a column (nvq_col, nvq_group).
 //       Called by fp4._kernel_quantize (2-D, axis 0) and fp4._kernel_requantize.
+//   nv_amax<SRC, H, V>      The NVFP4 tensor-amax pre-pass alone (the same bits as pass = 1 of the two
+//       above) for a dense input, no block2d, Hadamard H = 0 or 16: V = 0 quant_rows' 16-blocks, V > 0
+//       quant_cols' (16 rows x V columns a thread). Few registers, loads in flight, one resident
+//       wave. Called by kernels._quant_launch before the quantize pass (FP4_NV_AMAX=fused: pass = 1).
 //   fold_mx                 fp4.fold_mx: MXFP4 codes + E8M0 -> float8_e4m3fn elements
 //       code * 2^(e_block - e_rowmax) and FP32 row scales 2^e_rowmax; one warp per row.
 //       Called by fp4._kernel_fold.
@@ -51,7 +55,8 @@
 //       1 bf16, 2 f16). Called by fp4._kernel_dequantize.
 // Host emulation: with FP4_HOST_EMU defined (and host shims for the intrinsics and for
 // shfl_xor), the device math up to the Loads section compiles as plain C++:
-// test_kernels.py::test_host_emulation_mx checks the MXFP4 paths against the reference on the CPU.
+// test_kernels.py::test_host_emulation_mx checks the MXFP4 paths against the reference on the CPU
+// (test_host_emulation_nv* the NVFP4 ones, test_host_emulation_nv_amax nv_amax's grid loop).
 // FP4_HOST_EMU_ADAMW adds the Loads and the AdamW section's kernel, which test_optim.py runs as a
 // whole grid on the host (test_emulated_kernel_matches_reference).
 // The Blackwell scale swizzle stays a torch permute (fp4.swizzle_scales): one gather over the
