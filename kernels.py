@@ -318,12 +318,21 @@ def _nv_amax_units(r, k, v):  # what one nv_amax thread takes at a time: a 16-bl
 _NV_AMAX_CTAS_PER_SM = {0: 8, 16: 5}  # kernels.cu's FP4_NVA_MINB(H): nv_amax's CTAs resident on an SM
 
 
+@functools.cache
+def _nv_amax_wave(index, hadamard):
+    """nv_amax's CTAs in one resident wave: FP4_NVA_MINB(H) an SM, fewer where an SM holds fewer
+    than 2048 threads (sm_120: 1536, so 6; ptxas then allows the registers for 6)."""
+    props = torch.cuda.get_device_properties(index)
+    threads = getattr(props, "max_threads_per_multi_processor", 2048)
+    return min(_NV_AMAX_CTAS_PER_SM[hadamard], threads // 256) * props.multi_processor_count
+
+
 def _nv_amax_launch(src, src_kind, r, k, v, hadamard, hs, has_signs, signw, dseed, amax):
     """nv_amax<src_kind, hadamard, v> over the (r, k) input into amax[0] (zeroed): one resident
     wave of 256-thread CTAs looping over the blocks."""
     import numpy as np
     dev = src.device
-    grid = min(-(-_nv_amax_units(r, k, v) // 256), _NV_AMAX_CTAS_PER_SM[hadamard] * _sm_count(dev.index))
+    grid = min(-(-_nv_amax_units(r, k, v) // 256), _nv_amax_wave(dev.index, hadamard))
     launch(dev, f"nv_amax<{src_kind}, {hadamard}, {v}>", (grid,), (256,),
            (_ptr(src), np.uint32(r), np.uint32(k), hs, np.int32(has_signs), *(np.uint32(w) for w in signw),
             _ptr(dseed), _ptr(amax)))

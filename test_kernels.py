@@ -199,6 +199,48 @@ def test_quantize_nv(shape, dtype, rule, rnd, had, signed, block2d, special, axi
     assert_qtensor(got, want)
 
 
+NV_AMAX_CASES = [  # (shape, axis, dtype, rule, rounding, hadamard, signs): the pre-passes nv_amax takes
+    ((3, 48), -1, torch.float32, "absmax", "rn", 0, False),
+    ((129, 160), -1, torch.bfloat16, "absmax", "rn", 0, False),
+    ((1000, 2080), -1, torch.bfloat16, "four_over_six", "rn", 0, False),
+    ((65, 256), -1, torch.float16, "absmax", "sr", 16, True),
+    ((129, 160), -1, torch.bfloat16, "absmax", "sr", 16, False),
+    ((64, 256), -1, torch.bfloat16, "absmax", "eden", 0, False),  # the quad 128-group kernel's pre-pass
+    ((4, 64, 33), 1, torch.bfloat16, "absmax", "rn", 0, False),  # a middle axis: quant_rows on a copy
+    ((256, 96), 0, torch.bfloat16, "absmax", "sr", 16, True),  # the nvfp4 recipe's wgrad E^T
+    ((2080, 1000), 0, torch.bfloat16, "absmax", "rn", 0, False),
+    ((160, 129), 0, torch.float32, "four_over_six", "rn", 0, False),
+    ((160, 129), 0, torch.bfloat16, "absmax", "rn", 0, False),  # odd K: 2-byte loads
+    ((256, 384), 0, torch.bfloat16, "absmax", "eden", 0, False),
+    ((48, 40), 0, torch.float16, "absmax", "sr", 16, True),
+]
+
+
+@gpu
+@pytest.mark.parametrize("shape,axis,dtype,rule,rnd,had,signed", NV_AMAX_CASES)
+@pytest.mark.parametrize("fill", ["plain", "special", "zero"])
+def test_nv_amax_kernel_matches_fused(shape, axis, dtype, rule, rnd, had, signed, fill, monkeypatch):
+    """FP4_NV_AMAX=kernel (the nv_amax pre-pass) against FP4_NV_AMAX=fused (the quantize kernel's
+    pass = 1) and the reference, bit for bit: codes, scales, tensor scale; and that each mode
+    launched the kernel it names."""
+    names = []
+    launch = kernels.launch
+    monkeypatch.setattr(kernels, "launch", lambda dev, name, *a: (names.append(name), launch(dev, name, *a))[1])
+    x = rand(shape, dtype, seed=hash((shape, axis, rule, had)) & 0xFFFF, special=fill == "special")
+    x = x * 0 if fill == "zero" else x
+    signs = fp4.random_signs(had, 23, "cuda") if signed else None
+    opts = dict(axis=axis, scale_rule=rule, rounding=rnd, hadamard=had, signs=signs, seed=5)
+    monkeypatch.setenv("FP4_NV_AMAX", "kernel")
+    got, want = both("quantize", x, "nvfp4", **opts)
+    assert names[0].startswith("nv_amax<"), names
+    assert_qtensor(got, want)
+    monkeypatch.setenv("FP4_NV_AMAX", "fused")
+    names.clear()
+    fused = fp4.quantize(x, "nvfp4", **opts)
+    assert not any(n.startswith("nv_amax") for n in names), names
+    assert_qtensor(got, fused)
+
+
 @gpu
 def test_quantize_views():
     """A transposed view quantized along its first axis reads the contiguous storage (quant_rows);
@@ -890,6 +932,10 @@ EMU_NVAMAX_CASES = [  # (shape quantized, axis, dtype, hadamard, signed, threads
     ((160, 40), 0, torch.bfloat16, 16, True, 64, "geometry"),  # the nvfp4 recipe's wgrad E^T: RHT-16 along the tokens
     ((48, 33), 0, torch.float16, 16, True, 32, "geometry"),
     ((32, 20), 0, torch.float32, 16, False, 32, "geometry"),
+    ((33, 48), -1, torch.bfloat16, 0, False, 32, "last"),  # the amax in the grid's last, partial trip
+    ((9, 64), -1, torch.float16, 16, True, 32, "last"),
+    ((48, 41), 0, torch.bfloat16, 0, False, 32, "last"),
+    ((160, 40), 0, torch.bfloat16, 16, True, 64, "last"),
     ((33, 48), -1, torch.bfloat16, 0, False, 32, "zero"),
     ((48, 41), 0, torch.float16, 0, False, 32, "zero"),
     ((7, 96), -1, torch.float32, 16, True, 32, "zero"),
@@ -903,7 +949,8 @@ def _nvamax_input(moved, dtype, seed, fill):
     """A tensor in the quantized layout (rows, K: 16-blocks along K) whose answer depends on the
     blocks' geometry: a NaN and a larger value share a block (left out), a negative value one row
     below the NaN (the block along the OTHER axis would hold both) is the finite amax; an Inf block.
-    fill 'zero': all zeros and -0.0 (amax 0, g 1); 'nonfinite': a NaN or Inf in every block."""
+    fill 'last': the amax is the last element (the grid's tail); 'zero': all zeros and -0.0 (amax
+    0, g 1); 'nonfinite': a NaN or Inf in every block."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(moved, generator=gen) ** 3 * torch.exp2(torch.randint(-10, -1, moved[:-1] + (1,), generator=gen).float())
     m = float(x.abs().max())
@@ -911,6 +958,8 @@ def _nvamax_input(moved, dtype, seed, fill):
         x[1, 3], x[1, 4] = float("nan"), 1000 * m  # same block: 1000 m is left out
         x[2, 3] = -100 * m  # the finite amax (in rows 0..15's block of column 3 along the other axis)
         x[3, 20], x[3, 21] = float("inf"), 500 * m
+    elif fill == "last":
+        x[-1, -1] = -100 * m
     elif fill == "zero":
         x = torch.where(torch.rand(moved, generator=gen) < 0.5, 0.0, -0.0)
     else:  # nonfinite
@@ -963,6 +1012,8 @@ def test_nv_amax_variant(monkeypatch):
         assert kernels.nv_amax_variant(*args) is None, args
     monkeypatch.setenv("FP4_NV_AMAX", "fused")
     assert kernels.nv_amax_variant("rows", bf16, 64, 128, 0, False) is None
+    with open(KERNELS_CU) as f:  # the grid's CTAs an SM are what the kernel's launch bounds ask for
+        assert "#define FP4_NVA_MINB(H) ((H) ? {16} : {0})".format(**kernels._NV_AMAX_CTAS_PER_SM) in f.read()
 
 
 BAD_OPTIONS = [
