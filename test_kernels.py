@@ -1013,7 +1013,8 @@ def test_nv_amax_variant(monkeypatch):
     monkeypatch.setenv("FP4_NV_AMAX", "fused")
     assert kernels.nv_amax_variant("rows", bf16, 64, 128, 0, False) is None
     with open(KERNELS_CU) as f:  # the grid's CTAs an SM are what the kernel's launch bounds ask for
-        assert "#define FP4_NVA_MINB(H) ((H) ? {16} : {0})".format(**kernels._NV_AMAX_CTAS_PER_SM) in f.read()
+        minb = kernels._NV_AMAX_CTAS_PER_SM
+        assert f"#define FP4_NVA_MINB(H) ((H) ? {minb[16]} : {minb[0]})" in f.read()
 
 
 BAD_OPTIONS = [
