@@ -208,6 +208,7 @@ NV_AMAX_CASES = [  # (shape, axis, dtype, rule, rounding, hadamard, signs): the 
     ((64, 256), -1, torch.bfloat16, "absmax", "eden", 0, False),  # the quad 128-group kernel's pre-pass
     ((4, 64, 33), 1, torch.bfloat16, "absmax", "rn", 0, False),  # a middle axis: quant_rows on a copy
     ((256, 96), 0, torch.bfloat16, "absmax", "sr", 16, True),  # the nvfp4 recipe's wgrad E^T
+    ((256, 96), 0, torch.bfloat16, "absmax", "sr", 16, "device"),  # ... as FP4Linear runs it: DeviceSigns
     ((2080, 1000), 0, torch.bfloat16, "absmax", "rn", 0, False),
     ((160, 129), 0, torch.float32, "four_over_six", "rn", 0, False),
     ((160, 129), 0, torch.bfloat16, "absmax", "rn", 0, False),  # odd K: 2-byte loads
@@ -228,8 +229,11 @@ def test_nv_amax_kernel_matches_fused(shape, axis, dtype, rule, rnd, had, signed
     monkeypatch.setattr(kernels, "launch", lambda dev, name, *a: (names.append(name), launch(dev, name, *a))[1])
     x = rand(shape, dtype, seed=hash((shape, axis, rule, had)) & 0xFFFF, special=fill == "special")
     x = x * 0 if fill == "zero" else x
-    signs = fp4.random_signs(had, 23, "cuda") if signed else None
-    opts = dict(axis=axis, scale_rule=rule, rounding=rnd, hadamard=had, signs=signs, seed=5)
+    seed, signs = 5, fp4.random_signs(had, 23, "cuda") if signed else None
+    if signed == "device":  # derived in the kernels (nv_amax's device_rng); the reference reads them back
+        t = torch.tensor([977], dtype=torch.int32, device="cuda")
+        seed, signs = fp4.DeviceSeed(t, 17), fp4.DeviceSigns(had, fp4.DeviceSeed(t, 5))
+    opts = dict(axis=axis, scale_rule=rule, rounding=rnd, hadamard=had, signs=signs, seed=seed)
     monkeypatch.setenv("FP4_NV_AMAX", "kernel")
     got, want = both("quantize", x, "nvfp4", **opts)
     assert names[0].startswith("nv_amax<"), names
