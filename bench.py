@@ -95,6 +95,22 @@ def kernel_only(call, which=None):
     return replay
 
 
+def with_env(name, value, call):
+    """call() with the environment switch name set to value (restored after): kernel_only records
+    the launches a switch selects, e.g. FP4_NV_AMAX's two tensor-amax pre-passes."""
+    def run():
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return call()
+        finally:
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+    return run
+
+
 def section_kernels(args):
     rows = []
     for r, k in KERNEL_SHAPES:
@@ -124,6 +140,11 @@ def section_kernels(args):
                              pct_copy=100 * nbytes / ms / 1e6 / copy_gbs))
         qf = fp4.quantize(x, "mxfp4", scale_rule="quest", hadamard=32)
         qn = fp4.quantize(x, "nvfp4")
+        s16 = fp4.random_signs(16, 3, "cuda")
+
+        def nv_bwd_et():  # the nvfp4 recipe's wgrad E^T: along the tokens (axis 0), RHT-16, SR
+            return fp4.quantize(x, "nvfp4", axis=0, rounding="sr", hadamard=16, signs=s16)
+
         only = [  # the kernels alone (Python dispatch and allocation excluded)
             ("  kernel only: mx quest+H32 rn +mask", xin + _qbytes(qf),
              kernel_only(lambda: fp4.quantize(x, "mxfp4", scale_rule="quest", hadamard=32))),
@@ -140,7 +161,14 @@ def section_kernels(args):
              kernel_only(lambda: fp4._rotate_back(x, qf, 32))),
             # NVFP4's two passes apart: where its full call's time goes
             ("  kernel only: nv absmax rn, both passes", 2 * xin + _qbytes(qn), kernel_only(lambda: fp4.quantize(x, "nvfp4"))),
-            ("  kernel only: nv absmax rn, tensor-amax pre-pass", xin, kernel_only(lambda: fp4.quantize(x, "nvfp4"), 0)),
+            ("  kernel only: nv absmax rn, tensor-amax pre-pass", xin,
+             kernel_only(with_env("FP4_NV_AMAX", "fused", lambda: fp4.quantize(x, "nvfp4")), 0)),
+            ("  kernel only: nv absmax rn, tensor-amax pre-pass (nv_amax kernel)", xin,
+             kernel_only(with_env("FP4_NV_AMAX", "kernel", lambda: fp4.quantize(x, "nvfp4")), 0)),
+            ("  kernel only: nv sr RHT16 axis0, tensor-amax pre-pass (nvfp4 bwd E^T)", xin,
+             kernel_only(with_env("FP4_NV_AMAX", "fused", nv_bwd_et), 0)),
+            ("  kernel only: nv sr RHT16 axis0, tensor-amax pre-pass (nv_amax kernel)", xin,
+             kernel_only(with_env("FP4_NV_AMAX", "kernel", nv_bwd_et), 0)),
             ("  kernel only: nv absmax rn, quantize pass", xin + _qbytes(qn), kernel_only(lambda: fp4.quantize(x, "nvfp4"), 1)),
             ("  kernel only: nv sr RHT16, quantize pass (nvfp4 bwd E)", xin + _qbytes(qn),
              kernel_only(lambda: fp4.quantize(x, "nvfp4", rounding="sr", hadamard=16, signs=fp4.random_signs(16, 3, "cuda")), 1)),
@@ -889,7 +917,7 @@ def _fp4_attention_parts(attn, q, k, v, do):
 # kernel families of a profile, by name (first match): what bench.py step_profile sums a step's
 # GPU time into; "other" is the rest (copies, torch's elementwise and reduction kernels)
 KERNEL_FAMILIES = (
-    ("fp4 (kernels.cu)", r"\b(quant_rows|quant_cols|quant_rows_fold|fold_mx|rotate_back|dequant|adamw_nvfp4)\b"),
+    ("fp4 (kernels.cu)", r"\b(quant_rows|quant_cols|quant_rows_fold|nv_amax|fold_mx|rotate_back|dequant|adamw_nvfp4)\b"),
     ("fp4 attention (Triton)", r"^_(fwd|bwd_dq|bwd_dkdv|delta)_kernel"),
     ("GEMMs (cuBLAS, CUTLASS)", r"nvjet|gemm|cutlass|xmma|cublas"),
     ("attention (SDPA)", r"flash|fmha|cudnn|attention"),
@@ -1220,7 +1248,7 @@ def code_version():
 
 
 SWITCHES = ("FP4_NS_GRAPH", "FP4_KERNELS", "FP4_BACKEND", "FP4_FAST_ACCUM_BITS", "FP4_MX_ROWS", "FP4_NV128_ROWS", "FP4_NV128_COLS",
-            "FP4_ATTENTION", "FP4_ATTENTION_OPERANDS", "FP4_ATTENTION_BWD", "FP4_ADAMW_FUSED")
+            "FP4_ATTENTION", "FP4_ATTENTION_OPERANDS", "FP4_ATTENTION_BWD", "FP4_ADAMW_FUSED", "FP4_NV_AMAX")
 
 
 def switches():

@@ -39,6 +39,10 @@
 //       NVFP4 G == 128 with LANES == 4 (FP4_NV128_COLS=quad; kernels.nv128_cols_layout) is the
 //       warp-cooperative variant: 128 threads a tile, a lane quad a column (nvq_col, nvq_group).
 //       Called by fp4._kernel_quantize (2-D, axis 0) and fp4._kernel_requantize.
+//   nv_amax<SRC, H, V>      The NVFP4 tensor-amax pre-pass alone (the same bits as pass = 1 of the two
+//       above) for a dense input, no block2d, Hadamard H = 0 or 16: V = 0 quant_rows' 16-blocks, V > 0
+//       quant_cols' (16 rows x V columns a thread). Few registers, loads in flight, one resident
+//       wave. Called by kernels._quant_launch before the quantize pass (FP4_NV_AMAX=fused: pass = 1).
 //   fold_mx                 fp4.fold_mx: MXFP4 codes + E8M0 -> float8_e4m3fn elements
 //       code * 2^(e_block - e_rowmax) and FP32 row scales 2^e_rowmax; one warp per row.
 //       Called by fp4._kernel_fold.
@@ -51,7 +55,8 @@
 //       1 bf16, 2 f16). Called by fp4._kernel_dequantize.
 // Host emulation: with FP4_HOST_EMU defined (and host shims for the intrinsics and for
 // shfl_xor), the device math up to the Loads section compiles as plain C++:
-// test_kernels.py::test_host_emulation_mx checks the MXFP4 paths against the reference on the CPU.
+// test_kernels.py::test_host_emulation_mx checks the MXFP4 paths against the reference on the CPU
+// (test_host_emulation_nv* the NVFP4 ones, test_host_emulation_nv_amax nv_amax's grid loop).
 // FP4_HOST_EMU_ADAMW adds the Loads and the AdamW section's kernel, which test_optim.py runs as a
 // whole grid on the host (test_emulated_kernel_matches_reference).
 // The Blackwell scale swizzle stays a torch permute (fp4.swizzle_scales): one gather over the
@@ -936,6 +941,140 @@ __device__ __forceinline__ void nvq_col(const float* tile, const QParams& p, u32
 }
 
 // ---------------------------------------------------------------------------------------------
+// NVFP4 tensor amax (nv_amax, the kernel is below; this part is host-built too, for the emulation):
+// quant_rows' / quant_cols' pre-pass (pass = 1) as a kernel of its own, for a dense input (SRC 0-2)
+// without block2d tiles and a Hadamard of 0 or 16. It returns the same bits as that pre-pass: each
+// 16-block of the quantizer's geometry is converted, signed and rotated by the same rotate_h and
+// reduced by the same nv_prepass_amax (NaN/Inf blocks left out), and a max over the blocks is
+// order-free. The quantizer's group size, rule and rounding do not enter the pre-pass (its G-groups
+// are whole 16-blocks with the same rotation), so one kernel serves them all. Bandwidth first: no
+// quantizer state (quant_rows' G = 16 path holds 64-72 registers for it), several loads in flight
+// a thread, about one resident wave of CTAs looping over the tensor, one atomic a warp.
+//   V = 0 (rows: fp4.quantize along the last dim): the (R, K) input as R K / 16 blocks of 16
+//       consecutive elements (K % 16 == 0: a block never straddles rows), 16-byte loads, NVA_U
+//       blocks a thread in flight.
+//   V > 0 (cols: along the first dim, quant_cols' blocks): a thread takes 16 rows x V columns (one
+//       4-byte load a row, 16 in flight), each column's 16 elements one block; the signs go by the
+//       row in the block (element i of rotate_h's block is row 16 rb + i: quant_cols' row_sign).
+
+template <class T>
+__device__ __forceinline__ T ld_nc(const T* p) {  // a load through the read-only (texture) path
+#ifdef FP4_HOST_EMU
+  return *p;
+#else
+  return __ldg(p);
+#endif
+}
+
+__device__ __forceinline__ float f16_bits_to_f32(u32 h) {  // FP16 bits (low half) -> FP32, exact
+#ifdef FP4_HOST_EMU
+  _Float16 f;
+  const unsigned short s = (unsigned short)h;
+  memcpy(&f, &s, 2);
+  return (float)f;
+#else
+  return __half2float(__ushort_as_half((unsigned short)h));
+#endif
+}
+
+// Element i of packed words w as FP32 (load_dense's conversions): FP32 one a word; BF16 / FP16 two
+// a word, element 2j in the low half of w[j].
+template <int SRC>
+__device__ __forceinline__ float elem_f32(const u32* w, int i) {
+  if constexpr (SRC == 0) return __uint_as_float(w[i]);
+  else if constexpr (SRC == 1) return __uint_as_float(i & 1 ? w[i / 2] & 0xFFFF0000u : w[i / 2] << 16);
+  else return f16_bits_to_f32(i & 1 ? w[i / 2] >> 16 : w[i / 2] & 0xFFFFu);
+}
+
+// One 16-block's contribution: its amax bits, or 0 for a NaN/Inf block (p.tiles is null).
+template <int H>
+__device__ __forceinline__ u32 nva_block(float (&v)[16], const QParams& p) {
+  if constexpr (H == 16) rotate_h<16, 16>(v, p);
+  return nv_prepass_amax<16>(v, p, 0u, 0u);
+}
+
+template <int SRC, int H>  // blocks a thread loads before it reduces any: 64 bytes in flight
+constexpr int NVA_U = SRC == 0 ? 1 : 2;
+
+// Thread t of nt: blocks t + nt u + NVA_U nt i. n < 2^31 blocks (the host checks): no wrap-around.
+template <int SRC, int H>
+__device__ __forceinline__ u32 nva_rows(const void* __restrict__ x, u32 n, const QParams& p, u32 t, u32 nt) {
+  constexpr int W = SRC == 0 ? 4 : 2;  // 16-byte words a block
+  constexpr int U = NVA_U<SRC, H>;
+  const uint4* src = reinterpret_cast<const uint4*>(x);
+  u32 fm = 0;
+  for (u32 b0 = t; b0 < n; b0 += U * nt) {
+    uint4 raw[U][W];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const u32 b = b0 + u * nt;  // past the end: zeros, whose amax 0 changes no max
+#pragma unroll
+      for (int k = 0; k < W; k++) raw[u][k] = b < n ? ld_nc(src + (u64)b * W + k) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      u32 w[4 * W];
+#pragma unroll
+      for (int k = 0; k < W; k++) {
+        w[4 * k] = raw[u][k].x; w[4 * k + 1] = raw[u][k].y; w[4 * k + 2] = raw[u][k].z; w[4 * k + 3] = raw[u][k].w;
+      }
+      float v[16];
+#pragma unroll
+      for (int i = 0; i < 16; i++) v[i] = elem_f32<SRC>(w, i);
+      fm = max(fm, nva_block<H>(v, p));
+    }
+  }
+  return fm;
+}
+
+// Thread t of nt: strips t + nt i, strip s = (row block rb, columns V c .. V c + V - 1), c fastest (a
+// warp's row loads are contiguous), one 4-byte load a row (V = 4 / element bytes; V = 1 and 2-byte
+// loads for a 16-bit input with an odd K). R % 16 == 0, K % V == 0, (R / 16) (K / V) < 2^31 (the
+// host checks). 8-byte loads (V = 4 for BF16) spilled at the 32-register cap (ptxas, sm_90a).
+template <int SRC, int H, int V>
+__device__ __forceinline__ u32 nva_cols(const void* __restrict__ x, u32 R, u32 K, const QParams& p, u32 t, u32 nt) {
+  constexpr int ES = SRC == 0 ? 4 : 2;  // element bytes
+  static_assert(V * ES == 4 || (ES == 2 && V == 1), "nva_cols loads 4 bytes a row (2 for V = 1, 16-bit)");
+  const u32 kv = K / V, n = (R / 16) * kv;
+  const u8* base = reinterpret_cast<const u8*>(x);
+  u32 fm = 0;
+  for (u32 s = t; s < n; s += nt) {
+    const u32 rb = s / kv;
+    const u64 e0 = (u64)rb * 16 * K + (u64)(s - rb * kv) * V;  // element (16 rb, V c)
+    u32 raw[16];
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+      const u8* a = base + (e0 + (u64)j * K) * ES;
+      if constexpr (V * ES == 4) raw[j] = ld_nc(reinterpret_cast<const u32*>(a));
+      else raw[j] = ld_nc(reinterpret_cast<const unsigned short*>(a));
+    }
+#pragma unroll
+    for (int c = 0; c < V; c++) {
+      float v[16];
+#pragma unroll
+      for (int j = 0; j < 16; j++) v[j] = elem_f32<SRC>(raw + j, c);
+      fm = max(fm, nva_block<H>(v, p));
+    }
+  }
+  return fm;
+}
+
+// One thread of the nv_amax grid (thread t of nt) on the (R, K) input x, signs as quant_rows takes
+// them (device seeds already resolved): its max into amax[0], one atomic a warp (nv_amax_atomic).
+template <int SRC, int H, int V>
+__device__ __forceinline__ void nv_amax_thread(const void* __restrict__ x, u32 R, u32 K, float hs, int has_signs,
+                                               u32 s0, u32 s1, u32 s2, u32 s3, u32* amax, u32 t, u32 nt) {
+  static_assert(H == 0 || H == 16, "nv_amax takes Hadamard 0 or 16");
+  QParams p;
+  p.H = H; p.hs = hs; p.pass = 1; p.amax = amax; p.tiles = nullptr; p.Kout = 0;
+  load_signs(p, has_signs, s0, s1, s2, s3);
+  u32 fm;
+  if constexpr (V == 0) fm = nva_rows<SRC, H>(x, (u32)((u64)R * K / 16), p, t, nt);
+  else fm = nva_cols<SRC, H, V>(x, R, K, p, t, nt);
+  nv_amax_atomic(p, fm);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Loads (host-built too with FP4_HOST_EMU_ADAMW: test_optim.py's grid emulation of the AdamW kernel
 // brings the vector types and __ldg)
 #if !defined(FP4_HOST_EMU) || defined(FP4_HOST_EMU_ADAMW)
@@ -1415,6 +1554,21 @@ __global__ void __launch_bounds__(LANES == 4 ? 4 * TILE_C : 32 * TILE_R / G,
 }
 
 // ---------------------------------------------------------------------------------------------
+// nv_amax<SRC, H, V>: the NVFP4 tensor-amax pre-pass alone (nv_amax_thread, "NVFP4 tensor amax"
+// above). blockDim 256; fp4._quant_launch sizes the grid to one resident wave (FP4_NVA_MINB CTAs an
+// SM, kernels._NV_AMAX_CTAS_PER_SM) and zeroes amax[0] first.
+#define FP4_NVA_MINB(H) ((H) ? 5 : 8)
+template <int SRC, int H, int V>
+__global__ void __launch_bounds__(256, FP4_NVA_MINB(H)) nv_amax(
+    const void* __restrict__ x, u32 R, u32 K, float hs, int has_signs, u32 s0, u32 s1, u32 s2, u32 s3,
+    const u32* __restrict__ dseed, u32* __restrict__ amax) {
+  u32 seed = 0, key0 = 0;  // device_rng's SR seed: unused here
+  device_rng(dseed, has_signs, s0, s1, s2, s3, seed, key0);
+  nv_amax_thread<SRC, H, V>(x, R, K, hs, has_signs, s0, s1, s2, s3, amax, blockIdx.x * blockDim.x + threadIdx.x,
+                            gridDim.x * blockDim.x);
+}
+
+// ---------------------------------------------------------------------------------------------
 // fold_mx: MXFP4 -> (R, K) float8_e4m3fn + (R,) FP32 row scales (fp4.fold_mx). One warp a row:
 // the row's block-exponent max by warp reduction, then one 32-block a lane-step (a 16-byte load
 // of codes, two 16-byte stores of E4M3 bytes).
@@ -1670,6 +1824,15 @@ template __global__ void quant_cols<4, 128, true, 0, 2, 4>(const void*, const u8
 template __global__ void quant_cols<0, 128, true, 2, 0, 4>(const void*, const u8*, const float*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, int, u8*, u8*, u8*, const float*, u32*, u32*);
 template __global__ void quant_rows_fold<1, 1, 0>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, u8*, u8*, u8*, u8*, float*);
 template __global__ void quant_rows_fold<1, 0, 1>(const void*, u32, u32, int, float, int, u32, u32, u32, u32, u32, u32, const u32*, u8*, u8*, u8*, u8*, float*);
+template __global__ void nv_amax<1, 0, 0>(const void*, u32, u32, float, int, u32, u32, u32, u32, const u32*, u32*);
+template __global__ void nv_amax<0, 0, 0>(const void*, u32, u32, float, int, u32, u32, u32, u32, const u32*, u32*);
+template __global__ void nv_amax<2, 16, 0>(const void*, u32, u32, float, int, u32, u32, u32, u32, const u32*, u32*);
+template __global__ void nv_amax<1, 16, 0>(const void*, u32, u32, float, int, u32, u32, u32, u32, const u32*, u32*);
+template __global__ void nv_amax<1, 0, 2>(const void*, u32, u32, float, int, u32, u32, u32, u32, const u32*, u32*);
+template __global__ void nv_amax<0, 0, 1>(const void*, u32, u32, float, int, u32, u32, u32, u32, const u32*, u32*);
+template __global__ void nv_amax<1, 16, 2>(const void*, u32, u32, float, int, u32, u32, u32, u32, const u32*, u32*);
+template __global__ void nv_amax<0, 16, 1>(const void*, u32, u32, float, int, u32, u32, u32, u32, const u32*, u32*);
+template __global__ void nv_amax<2, 0, 1>(const void*, u32, u32, float, int, u32, u32, u32, u32, const u32*, u32*);
 template __global__ void rotate_back<1, 32>(const void*, const u8*, u32, u32, float, void*);
 template __global__ void rotate_back<0, 32>(const void*, const u8*, u32, u32, float, void*);
 template __global__ void dequant<0>(const u8*, const u8*, const float*, u32, u32, int, void*);

@@ -273,12 +273,69 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
                        np.uint32(seed_arg), np.uint32(key0), _ptr(dseed), np.int32(pass_), _ptr(codes), _ptr(scales), _ptr(mask), _ptr(g_), _ptr(amax), _ptr(tiles))
 
     if nv:  # pre-pass: amax over the finite (rotated) blocks -> g (fp4._tensor_scale); tile amax
-        launch(dev, name, grid, block, args(1, None))
-        finite_amax = amax.view(torch.float32).reshape(())
-        g = finite_amax / torch.full_like(finite_amax, 6 * fp4.E4M3_MAX)  # a true division on any device
-        g = torch.where(finite_amax > 0, g, torch.ones_like(g))
+        v = nv_amax_variant(kind, src_kind, r, k, hadamard, block2d)
+        if v is None:  # the quantize kernel's own pass = 1
+            launch(dev, name, grid, block, args(1, None))
+        else:
+            _nv_amax_launch(src, src_kind, r, k, v, hadamard, hs, has_signs, signw, dseed, amax)
+        g = tensor_scale_of(amax)
     launch(dev, name, grid, block, args(0, g))
     return codes, scales, g, mask, None
+
+
+def tensor_scale_of(amax):
+    """fp4._tensor_scale from the pre-pass's finite amax bits (int32 (1,)): amax / (6 * 448), 1 for 0."""
+    finite_amax = amax.view(torch.float32).reshape(())
+    g = finite_amax / torch.full_like(finite_amax, 6 * fp4.E4M3_MAX)  # a true division on any device
+    return torch.where(finite_amax > 0, g, torch.ones_like(g))
+
+
+def nv_amax_mode():
+    """How the NVFP4 tensor-amax pre-pass runs: 'kernel' (nv_amax, a bandwidth-bound kernel of its
+    own, wherever nv_amax_variant applies) or 'fused' (the quantize kernel itself with pass = 1, the
+    only way before). Both give the same bits (kernels.cu, "NVFP4 tensor amax"). 'kernel' is the
+    default (not yet timed on a GPU); FP4_NV_AMAX=kernel|fused selects (bench.py times both)."""
+    forced = os.environ.get("FP4_NV_AMAX")
+    return forced if forced in ("kernel", "fused") else "kernel"
+
+
+def nv_amax_variant(kind, src_kind, r, k, hadamard, block2d):
+    """nv_amax's V for the pre-pass of quant_rows (kind 'rows': 0, flat 16-blocks) or quant_cols
+    ('cols': the (r, k) input quantized along r, 16 rows x V columns a thread, one 4-byte load a
+    row), or None where the fused pass = 1 runs: FP4_NV_AMAX=fused, block2d (that pass also takes
+    the 16x16 tile amaxes), a QTensor input (requantize: SRC 3/4), a Hadamard other than 0 or 16,
+    or 2^31 blocks or more (nv_amax's 32-bit indices)."""
+    if nv_amax_mode() != "kernel" or block2d or src_kind > 2 or hadamard not in (0, 16):
+        return None
+    v = 0 if kind == "rows" else 1 if src_kind == 0 or k % 2 else 2
+    return v if _nv_amax_units(r, k, v) < 1 << 31 else None
+
+
+def _nv_amax_units(r, k, v):  # what one nv_amax thread takes at a time: a 16-block (rows), a strip (cols)
+    return r * k // 16 if v == 0 else r // 16 * (k // v)
+
+
+_NV_AMAX_CTAS_PER_SM = {0: 8, 16: 5}  # kernels.cu's FP4_NVA_MINB(H): nv_amax's CTAs resident on an SM
+
+
+@functools.cache
+def _nv_amax_wave(index, hadamard):
+    """nv_amax's CTAs in one resident wave: FP4_NVA_MINB(H) an SM, fewer where an SM holds fewer
+    than 2048 threads (sm_120: 1536, so 6; ptxas then allows the registers for 6)."""
+    props = torch.cuda.get_device_properties(index)
+    threads = getattr(props, "max_threads_per_multi_processor", 2048)
+    return min(_NV_AMAX_CTAS_PER_SM[hadamard], threads // 256) * props.multi_processor_count
+
+
+def _nv_amax_launch(src, src_kind, r, k, v, hadamard, hs, has_signs, signw, dseed, amax):
+    """nv_amax<src_kind, hadamard, v> over the (r, k) input into amax[0] (zeroed): one resident
+    wave of 256-thread CTAs looping over the blocks."""
+    import numpy as np
+    dev = src.device
+    grid = min(-(-_nv_amax_units(r, k, v) // 256), _nv_amax_wave(dev.index, hadamard))
+    launch(dev, f"nv_amax<{src_kind}, {hadamard}, {v}>", (grid,), (256,),
+           (_ptr(src), np.uint32(r), np.uint32(k), hs, np.int32(has_signs), *(np.uint32(w) for w in signw),
+            _ptr(dseed), _ptr(amax)))
 
 
 def _quant_rows_fold(src, r, k, scale_rule, rounding, hadamard, signs, seed):

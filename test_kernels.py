@@ -199,6 +199,52 @@ def test_quantize_nv(shape, dtype, rule, rnd, had, signed, block2d, special, axi
     assert_qtensor(got, want)
 
 
+NV_AMAX_CASES = [  # (shape, axis, dtype, rule, rounding, hadamard, signs): the pre-passes nv_amax takes
+    ((3, 48), -1, torch.float32, "absmax", "rn", 0, False),
+    ((129, 160), -1, torch.bfloat16, "absmax", "rn", 0, False),
+    ((1000, 2080), -1, torch.bfloat16, "four_over_six", "rn", 0, False),
+    ((65, 256), -1, torch.float16, "absmax", "sr", 16, True),
+    ((129, 160), -1, torch.bfloat16, "absmax", "sr", 16, False),
+    ((64, 256), -1, torch.bfloat16, "absmax", "eden", 0, False),  # the quad 128-group kernel's pre-pass
+    ((4, 64, 33), 1, torch.bfloat16, "absmax", "rn", 0, False),  # a middle axis: quant_rows on a copy
+    ((256, 96), 0, torch.bfloat16, "absmax", "sr", 16, True),  # the nvfp4 recipe's wgrad E^T
+    ((256, 96), 0, torch.bfloat16, "absmax", "sr", 16, "device"),  # ... as FP4Linear runs it: DeviceSigns
+    ((2080, 1000), 0, torch.bfloat16, "absmax", "rn", 0, False),
+    ((160, 129), 0, torch.float32, "four_over_six", "rn", 0, False),
+    ((160, 129), 0, torch.bfloat16, "absmax", "rn", 0, False),  # odd K: 2-byte loads
+    ((256, 384), 0, torch.bfloat16, "absmax", "eden", 0, False),
+    ((48, 40), 0, torch.float16, "absmax", "sr", 16, True),
+]
+
+
+@gpu
+@pytest.mark.parametrize("shape,axis,dtype,rule,rnd,had,signed", NV_AMAX_CASES)
+@pytest.mark.parametrize("fill", ["plain", "special", "zero"])
+def test_nv_amax_kernel_matches_fused(shape, axis, dtype, rule, rnd, had, signed, fill, monkeypatch):
+    """FP4_NV_AMAX=kernel (the nv_amax pre-pass) against FP4_NV_AMAX=fused (the quantize kernel's
+    pass = 1) and the reference, bit for bit: codes, scales, tensor scale; and that each mode
+    launched the kernel it names."""
+    names = []
+    launch = kernels.launch
+    monkeypatch.setattr(kernels, "launch", lambda dev, name, *a: (names.append(name), launch(dev, name, *a))[1])
+    x = rand(shape, dtype, seed=hash((shape, axis, rule, had)) & 0xFFFF, special=fill == "special")
+    x = x * 0 if fill == "zero" else x
+    seed, signs = 5, fp4.random_signs(had, 23, "cuda") if signed else None
+    if signed == "device":  # derived in the kernels (nv_amax's device_rng); the reference reads them back
+        t = torch.tensor([977], dtype=torch.int32, device="cuda")
+        seed, signs = fp4.DeviceSeed(t, 17), fp4.DeviceSigns(had, fp4.DeviceSeed(t, 5))
+    opts = dict(axis=axis, scale_rule=rule, rounding=rnd, hadamard=had, signs=signs, seed=seed)
+    monkeypatch.setenv("FP4_NV_AMAX", "kernel")
+    got, want = both("quantize", x, "nvfp4", **opts)
+    assert names[0].startswith("nv_amax<"), names
+    assert_qtensor(got, want)
+    monkeypatch.setenv("FP4_NV_AMAX", "fused")
+    names.clear()
+    fused = fp4.quantize(x, "nvfp4", **opts)
+    assert not any(n.startswith("nv_amax") for n in names), names
+    assert_qtensor(got, fused)
+
+
 @gpu
 def test_quantize_views():
     """A transposed view quantized along its first axis reads the contiguous storage (quant_rows);
@@ -622,7 +668,40 @@ static void run_nvqcols(const Job& j, const u8* qc, const u8* qs, float gin) {
   for (auto& t : th) t.join();
 }
 
+// nv_amax (kernels.cu, "NVFP4 tensor amax"): every thread t of an nt-thread grid through
+// nv_amax_thread, on the input's raw bits (FP32, BF16 or FP16: the kernel's own loads and
+// conversions), into one amax word as the kernel's atomics (nv_amax_atomic's host branch).
+template <int SRC, int H, int V>
+static void run_nvamax(const void* x, u32 R, u32 K, float hs, int has_signs, u32 s0, u32 nt, u32* amax) {
+  for (u32 t = 0; t < nt; t++) nv_amax_thread<SRC, H, V>(x, R, K, hs, has_signs, s0, 0u, 0u, 0u, amax, t, nt);
+}
+
+static int main_nvamax(int argc, char** argv) {
+  if (argc < 12) { fprintf(stderr, "usage: nvamax R K src H V has_signs s0 hs nt dir\n"); return 2; }
+  const u32 R = strtoul(argv[2], 0, 0), K = strtoul(argv[3], 0, 0);
+  const int src = atoi(argv[4]), H = atoi(argv[5]), V = atoi(argv[6]), has_signs = atoi(argv[7]);
+  const u32 s0 = strtoul(argv[8], 0, 0), nt = strtoul(argv[10], 0, 0);
+  const float hs = strtof(argv[9], 0);
+  const std::string dir = argv[11];
+  const size_t bytes = (size_t)R * K * (src == 0 ? 4 : 2);
+  std::vector<uint4> x((bytes + 15) / 16);  // 16-byte aligned, as the launcher checks
+  FILE* f = fopen((dir + "/x.bin").c_str(), "rb");
+  if (!f || fread(x.data(), 1, bytes, f) != bytes) { fprintf(stderr, "nvamax: x.bin holds fewer than %zu bytes\n", bytes); return 2; }
+  fclose(f);
+  u32 amax = 0;
+  bool ran = false;
+#define RUN_NVA(S_, H_, V_) \
+  if (src == S_ && H == H_ && V == V_) { run_nvamax<S_, H_, V_>(x.data(), R, K, hs, has_signs, s0, nt, &amax); ran = true; }
+  RUN_NVA(0, 0, 0) RUN_NVA(1, 0, 0) RUN_NVA(2, 0, 0) RUN_NVA(0, 16, 0) RUN_NVA(1, 16, 0) RUN_NVA(2, 16, 0)
+  RUN_NVA(0, 0, 1) RUN_NVA(1, 0, 1) RUN_NVA(2, 0, 1) RUN_NVA(1, 0, 2) RUN_NVA(2, 0, 2)
+  RUN_NVA(0, 16, 1) RUN_NVA(1, 16, 1) RUN_NVA(2, 16, 1) RUN_NVA(1, 16, 2) RUN_NVA(2, 16, 2)
+  if (!ran) { fprintf(stderr, "nvamax: no variant src %d H %d V %d\n", src, H, V); return 2; }
+  f = fopen((dir + "/amax.bin").c_str(), "wb"); fwrite(&amax, 4, 1, f); fclose(f);
+  return 0;
+}
+
 int main(int argc, char** argv) {
+  if (argc >= 2 && !strcmp(argv[1], "nvamax")) return main_nvamax(argc, argv);
   if (argc < 12) { fprintf(stderr, "usage: mode R K rule rnd H has_signs s0 seed hs dir\n"); return 2; }
   Job j;
   const char* mode = argv[1];
@@ -841,6 +920,105 @@ def test_host_emulation_nv_cols_quad(emu_binary, shape, src, dtype, rule, rnd, h
            "scales": np.fromfile(d / "scales.bin", np.uint8).reshape(k, r // 16)}
     for name, w in (("codes", want.codes), ("scales", want.scales)):
         assert_same(torch.from_numpy(got[name]), w, f"emulated quad cols ({src}) {name}")
+
+
+EMU_NVAMAX_CASES = [  # (shape quantized, axis, dtype, hadamard, signed, threads of the emulated grid, fill)
+    ((40, 160), -1, torch.float32, 0, False, 64, "geometry"),
+    ((33, 48), -1, torch.bfloat16, 0, False, 32, "geometry"),  # 99 blocks, 2 a thread a trip: a partial last trip
+    ((7, 96), -1, torch.float16, 0, False, 32, "geometry"),
+    ((40, 160), -1, torch.bfloat16, 16, True, 64, "geometry"),
+    ((9, 64), -1, torch.float16, 16, False, 32, "geometry"),
+    ((5, 32), -1, torch.float32, 16, True, 256, "geometry"),  # more threads than blocks
+    ((160, 40), 0, torch.bfloat16, 0, False, 64, "geometry"),  # cols: V = 2
+    ((48, 41), 0, torch.bfloat16, 0, False, 32, "geometry"),  # odd K: V = 1, 2-byte loads
+    ((64, 36), 0, torch.float32, 0, False, 64, "geometry"),
+    ((96, 38), 0, torch.float16, 0, False, 32, "geometry"),
+    ((160, 40), 0, torch.bfloat16, 16, True, 64, "geometry"),  # the nvfp4 recipe's wgrad E^T: RHT-16 along the tokens
+    ((48, 33), 0, torch.float16, 16, True, 32, "geometry"),
+    ((32, 20), 0, torch.float32, 16, False, 32, "geometry"),
+    ((33, 48), -1, torch.bfloat16, 0, False, 32, "last"),  # the amax in the grid's last, partial trip
+    ((9, 64), -1, torch.float16, 16, True, 32, "last"),
+    ((48, 41), 0, torch.bfloat16, 0, False, 32, "last"),
+    ((160, 40), 0, torch.bfloat16, 16, True, 64, "last"),
+    ((33, 48), -1, torch.bfloat16, 0, False, 32, "zero"),
+    ((48, 41), 0, torch.float16, 0, False, 32, "zero"),
+    ((7, 96), -1, torch.float32, 16, True, 32, "zero"),
+    ((33, 48), -1, torch.bfloat16, 0, False, 32, "nonfinite"),
+    ((64, 36), 0, torch.float32, 0, False, 64, "nonfinite"),
+    ((48, 33), 0, torch.float16, 16, True, 32, "nonfinite"),
+]
+
+
+def _nvamax_input(moved, dtype, seed, fill):
+    """A tensor in the quantized layout (rows, K: 16-blocks along K) whose answer depends on the
+    blocks' geometry: a NaN and a larger value share a block (left out), a negative value one row
+    below the NaN (the block along the OTHER axis would hold both) is the finite amax; an Inf block.
+    fill 'last': the amax is the last element (the grid's tail); 'zero': all zeros and -0.0 (amax
+    0, g 1); 'nonfinite': a NaN or Inf in every block."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(moved, generator=gen) ** 3 * torch.exp2(torch.randint(-10, -1, moved[:-1] + (1,), generator=gen).float())
+    m = float(x.abs().max())
+    if fill == "geometry":
+        x[1, 3], x[1, 4] = float("nan"), 1000 * m  # same block: 1000 m is left out
+        x[2, 3] = -100 * m  # the finite amax (in rows 0..15's block of column 3 along the other axis)
+        x[3, 20], x[3, 21] = float("inf"), 500 * m
+    elif fill == "last":
+        x[-1, -1] = -100 * m
+    elif fill == "zero":
+        x = torch.where(torch.rand(moved, generator=gen) < 0.5, 0.0, -0.0)
+    else:  # nonfinite
+        x.view(-1, 16)[:, 5] = torch.tensor([float("nan"), float("inf"), -float("inf")]).repeat(x.numel() // 48 + 1)[: x.numel() // 16]
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("shape,axis,dtype,had,signed,nt,fill", EMU_NVAMAX_CASES)
+def test_host_emulation_nv_amax(emu_binary, shape, axis, dtype, had, signed, nt, fill):
+    """nv_amax's grid (every thread's loop and tail, as kernels.py picks the variant) on the input's
+    raw bits against fp4.quantize's tensor scale bit for bit, and its amax against the reference's
+    finite block amax: rows (16 consecutive elements) and cols (16 rows of a column) geometry, the
+    NaN/Inf blocks left out, all-zero and all-nonfinite inputs (g = 1), RHT-16."""
+    import numpy as np
+    d = emu_binary
+    moved = shape if axis == -1 else (shape[1], shape[0])
+    xm = _nvamax_input(moved, dtype, sum(shape) + had, fill)
+    x = xm if axis == -1 else xm.t().contiguous()  # (R, K); axis 0 quantizes along R
+    signs = fp4.random_signs(had, 19) if signed else None
+    want = fp4.quantize(x, "nvfp4", axis=axis, hadamard=had, signs=signs).tensor_scale
+    xf = xm.float()
+    if had:
+        xf = fp4._fwht(xf, had, signs)
+    block = fp4._blocks(xf, 16).abs().amax(-1)
+    want_amax = torch.where(torch.isfinite(block), block, 0).amax()
+    src = kernels._SRC_KIND[dtype]
+    r, k = x.shape
+    v = kernels.nv_amax_variant("rows" if axis == -1 else "cols", src, r, k, had, False)
+    assert v is not None
+    (x.view(torch.int16) if dtype != torch.float32 else x).numpy().tofile(d / "x.bin")
+    hs = fp4._hadamard_scale(had) if had else 0.0
+    args = [str(d / "emu"), "nvamax", str(r), str(k), str(src), str(had), str(v), str(int(signed)),
+            str(kernels.sign_words(signs)[0] if signed else 0), repr(np.float32(hs).item()), str(nt), str(d)]
+    subprocess.run(args, check=True, timeout=60)
+    bits = torch.from_numpy(np.fromfile(d / "amax.bin", np.int32))
+    assert_same(bits.view(torch.float32).reshape(()), want_amax, f"emulated nv_amax<{src}, {had}, {v}> amax")
+    assert_same(kernels.tensor_scale_of(bits), want, f"emulated nv_amax<{src}, {had}, {v}> tensor scale")
+
+
+def test_nv_amax_variant(monkeypatch):
+    """Which pre-passes nv_amax takes (kernels.nv_amax_variant), and FP4_NV_AMAX=fused keeps them all fused."""
+    f32, bf16 = kernels._SRC_KIND[torch.float32], kernels._SRC_KIND[torch.bfloat16]
+    assert kernels.nv_amax_variant("rows", bf16, 64, 128, 0, False) == 0
+    assert kernels.nv_amax_variant("rows", f32, 64, 128, 16, False) == 0
+    assert kernels.nv_amax_variant("cols", bf16, 64, 128, 16, False) == 2
+    assert kernels.nv_amax_variant("cols", bf16, 64, 129, 0, False) == 1
+    assert kernels.nv_amax_variant("cols", f32, 64, 128, 0, False) == 1
+    for args in (("rows", bf16, 64, 128, 0, True), ("rows", bf16, 64, 128, 32, False), ("cols", 4, 64, 128, 16, False),
+                 ("rows", bf16, 1 << 16, 1 << 19, 0, False), ("rows", bf16, 64, 128, 128, False)):
+        assert kernels.nv_amax_variant(*args) is None, args
+    monkeypatch.setenv("FP4_NV_AMAX", "fused")
+    assert kernels.nv_amax_variant("rows", bf16, 64, 128, 0, False) is None
+    with open(KERNELS_CU) as f:  # the grid's CTAs an SM are what the kernel's launch bounds ask for
+        minb = kernels._NV_AMAX_CTAS_PER_SM
+        assert f"#define FP4_NVA_MINB(H) ((H) ? {minb[16]} : {minb[0]})" in f.read()
 
 
 BAD_OPTIONS = [
