@@ -972,7 +972,7 @@ def _nvamax_input(moved, dtype, seed, fill):
 
 
 @pytest.mark.parametrize("shape,axis,dtype,had,signed,nt,fill", EMU_NVAMAX_CASES)
-def test_host_emulation_nv_amax(emu_binary, shape, axis, dtype, had, signed, nt, fill):
+def test_host_emulation_nv_amax(emu_binary, shape, axis, dtype, had, signed, nt, fill, monkeypatch):
     """nv_amax's grid (every thread's loop and tail, as kernels.py picks the variant) on the input's
     raw bits against fp4.quantize's tensor scale bit for bit, and its amax against the reference's
     finite block amax: rows (16 consecutive elements) and cols (16 rows of a column) geometry, the
@@ -991,6 +991,7 @@ def test_host_emulation_nv_amax(emu_binary, shape, axis, dtype, had, signed, nt,
     want_amax = torch.where(torch.isfinite(block), block, 0).amax()
     src = kernels._SRC_KIND[dtype]
     r, k = x.shape
+    monkeypatch.setenv("FP4_NV_AMAX", "kernel")  # the variant kernels.py would launch for this call
     v = kernels.nv_amax_variant("rows" if axis == -1 else "cols", src, r, k, had, False)
     assert v is not None
     (x.view(torch.int16) if dtype != torch.float32 else x).numpy().tofile(d / "x.bin")
