@@ -1622,20 +1622,46 @@ __global__ void __launch_bounds__(256) fold_mx(const u8* __restrict__ codes, con
   for (u32 row = blockIdx.x * warps + (threadIdx.x >> 5); row < R; row += gridDim.x * warps) {
     const u8* sr = scales + (u64)row * nb;
     int emax = -127, nan = 0;
-    for (u32 b = lane; b < nb; b += 32) {
-      u32 s = __ldg(sr + b);
-      if (s == 0xFFu) nan = 1;
-      else emax = max(emax, (int)s - 127);
+    if (nb % 16 == 0 && (reinterpret_cast<u64>(scales) & 15u) == 0) {  // 16 scale bytes a lane-load
+      for (u32 b0 = 16 * lane; b0 < nb; b0 += 16 * 32) {
+        const uint4 s4 = __ldg(reinterpret_cast<const uint4*>(sr + b0));
+        const u32 sw[4] = {s4.x, s4.y, s4.z, s4.w};
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+          const u32 s = (sw[i / 4] >> (8 * (i % 4))) & 0xFFu;
+          if (s == 0xFFu) nan = 1;
+          else emax = max(emax, (int)s - 127);
+        }
+      }
+    } else {
+      for (u32 b = lane; b < nb; b += 32) {
+        u32 s = __ldg(sr + b);
+        if (s == 0xFFu) nan = 1;
+        else emax = max(emax, (int)s - 127);
+      }
     }
     emax = __reduce_max_sync(0xFFFFFFFFu, emax);
     nan = __reduce_or_sync(0xFFFFFFFFu, nan);
     const uint4* cr = reinterpret_cast<const uint4*>(codes + (u64)row * (K / 2));  // 32 codes each
     uint4* orow = reinterpret_cast<uint4*>(out + (u64)row * K);
-    for (u32 b = lane; b < nb; b += 32) {
-      uint4 c4 = __ldg(cr + b);
-      u32 s = __ldg(sr + b);
-      const u32 cw[4] = {c4.x, c4.y, c4.z, c4.w};
-      fold_block(orow + 2 * b, cw, (s == 0xFFu ? -127 : (int)s - 127) - emax);
+    // 4 blocks a lane in flight: a row of few warps (the backward's E^T: N rows of M = tokens
+    // columns) had one 16-byte load a lane outstanding at a time
+    constexpr int U = 4;
+    for (u32 b0 = lane; b0 < nb; b0 += 32 * U) {
+      uint4 c4[U];
+      u32 s[U];
+#pragma unroll
+      for (int u = 0; u < U; u++) {
+        const u32 b = b0 + 32 * u;
+        c4[u] = b < nb ? __ldg(cr + b) : make_uint4(0u, 0u, 0u, 0u);
+        s[u] = b < nb ? __ldg(sr + b) : 0u;
+      }
+#pragma unroll
+      for (int u = 0; u < U; u++) {
+        const u32 b = b0 + 32 * u;
+        const u32 cw[4] = {c4[u].x, c4[u].y, c4[u].z, c4[u].w};
+        if (b < nb) fold_block(orow + 2 * b, cw, (s[u] == 0xFFu ? -127 : (int)s[u] - 127) - emax);
+      }
     }
     if (lane == 0) rowscale[row] = nan ? __uint_as_float(0x7FFFFFFFu) : exp2i(emax);
   }

@@ -292,7 +292,7 @@ def test_requantize(shape, fin, optin, fout, optout, layout, monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("shape,spread", [((1, 32), 0), ((3, 96), 4), ((129, 2080), 12), ((1000, 160), 40),
-                                          ((33, 11264), 6)])
+                                          ((33, 11264), 6), ((17, 16384), 30)])  # the last two: 16-byte scale loads
 def test_fold(shape, spread):
     x = rand(shape, torch.float32, seed=shape[0], special=spread > 20)
     if spread:  # block exponents spanning `spread` binades in a row (inexact fold beyond 8)
