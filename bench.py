@@ -195,6 +195,11 @@ def section_kernels(args):
         nbytes = qf.codes.numel() + qf.scales.numel() + x.numel() + 4 * r
         rows.append(dict(shape=f"{r}x{k}", kernel="fold_mx (-> e4m3 + row scale)", ms=ms, GBs=nbytes / ms / 1e6,
                          pct_copy=100 * nbytes / ms / 1e6 / copy_gbs))
+        qt = fp4.quantize(x, "mxfp4", axis=0, rounding="sr", hadamard=32, signs=signs)  # the backward's E^T:
+        ms = bench(lambda: fp4.fold_mx(qt))  # k rows of r columns, few rows when k is small
+        nbytes = qt.codes.numel() + qt.scales.numel() + x.numel() + 4 * k
+        rows.append(dict(shape=f"{r}x{k}", kernel="fold_mx of the axis-0 quantize (k rows of r)", ms=ms,
+                         GBs=nbytes / ms / 1e6, pct_copy=100 * nbytes / ms / 1e6 / copy_gbs))
         ms = bench(lambda: fp4.dequantize(qf, torch.bfloat16))
         nbytes = qf.codes.numel() + qf.scales.numel() + xin
         rows.append(dict(shape=f"{r}x{k}", kernel="dequantize mx -> bf16", ms=ms, GBs=nbytes / ms / 1e6,
