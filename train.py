@@ -726,7 +726,7 @@ def graphed(model, data, ctx):
     # autograd may store such a buffer itself, which the next micro-step's replay then overwrites:
     # with accumulation, the step would get twice the last micro-step's gradient (measured on the
     # H200). A .grad that exists is added to in place, so the gradients stay allocated (train_step
-    # zeroes them instead of freeing them).
+    # zeroes them instead of freeing them; a parameter the loss does not reach gets zeros, not None).
     for p in model.parameters():
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
