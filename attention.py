@@ -547,13 +547,20 @@ def _delta_kernel(DO, O, DELTA, N, D: tl.constexpr, BD: tl.constexpr, BR: tl.con
 
 
 @_jit
-def _quant_ds(x, n, key, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr):
+def _max_nan(a, b):
+    """max that propagates NaN (tl.max's reduction drops it)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@_jit
+def _quant_ds(x, rows, c0, TP, key, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr):
     """One 64x64 dS tile x (R, C) FP32 quantized along C in 16-blocks (module docstring): sign |code|
-    s_b G, exact in BF16. n (R, C) uint32: the elements' layout indices (for the random bytes)."""
+    s_b G, exact in BF16. Its elements' layout indices are n = rows * TP + c0 + (0..C-1) (for the
+    random bytes; TP and c0 are multiples of 4, so each 4 consecutive columns share one word)."""
     xb = tl.reshape(x, (R, C // 16, 16))
-    amax_b = tl.max(tl.abs(xb), 2)  # (R, C/16)
-    amax = tl.max(tl.max(amax_b, 1), 0)
-    bad = tl.sum(tl.sum(x, 1), 0) * 0.0  # NaN iff the tile holds a NaN or Inf
+    amax_b = tl.reduce(tl.abs(xb), 2, _max_nan)  # (R, C/16); NaN where a block holds a NaN
+    amax = tl.reduce(tl.reduce(amax_b, 1, _max_nan), 0, _max_nan)
+    bad = amax - amax  # NaN iff the tile holds a NaN or Inf (then every value below is NaN), else 0
     gb = tl.math.div_rn(amax, 6 * 448.0).to(tl.uint32, bitcast=True)
     gb = tl.where((gb & 0x7FFFFF) == 0, gb, (gb & 0x7F800000) + 0x800000)  # _pow2_ceil
     g = tl.where(amax > 0, gb.to(tl.float32, bitcast=True), 1.0) + bad
@@ -563,13 +570,16 @@ def _quant_ds(x, n, key, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr):
     v = xb * rcp[:, :, None]
     a = tl.minimum(tl.abs(v), 6.0)
     step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
-    if SR:
-        w = _lowbias32((n >> 2) ^ key)
-        rb = tl.reshape(((w >> ((n & 3) * 8)) & 255).to(tl.float32), (R, C // 16, 16))
-        m = tl.floor(a * (256.0 / step))
+    per_step = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))  # 1 / step, exactly: no division
+    if SR:  # one hash a word, four bytes from it: word n // 4 = rows * TP / 4 + c0 / 4 + (0..C/4-1)
+        n4 = rows.to(tl.uint32)[:, None] * (TP // 4) + (c0 // 4 + tl.arange(0, C // 4)).to(tl.uint32)[None, :]
+        w = _lowbias32(n4 ^ key)  # (R, C/4)
+        sh = (tl.arange(0, 4) * 8).to(tl.uint32)
+        rb = tl.reshape(((w[:, :, None] >> sh[None, None, :]) & 255).to(tl.float32), (R, C // 16, 16))
+        m = tl.floor(a * (per_step * 256.0))
         mag = tl.minimum(tl.floor((m + rb) * (1.0 / 256.0)) * step, 6.0)
     else:  # x + 2^23 - 2^23 rounds to an integer, ties to even (0 <= x < 2^22)
-        mag = ((a / step + 8388608.0) - 8388608.0) * step
+        mag = ((a * per_step + 8388608.0) - 8388608.0) * step
     val = tl.where(v < 0, -mag, mag) * sg[:, :, None]
     return tl.reshape(val, (R, C)).to(tl.bfloat16)
 
@@ -632,8 +642,7 @@ def _bwd_dq_kernel(Qc, Qs, Qv, Kc, Ks, Kv, Vc, Vs, Vv, Ktc, Kts, Ktv, DO, LSE, D
         p = _scores_probs(q, k, lse2, m_idx, n_idx, c2, T, CAUSAL, INTERP)
         dp = _dot(do, tl.trans(v), INTERP) * gv
         ds = p * (dp - delta[:, None])
-        n = m_idx.to(tl.uint32)[:, None] * TP + n_idx.to(tl.uint32)[None, :]
-        dq += _dot(_quant_ds(ds, n, key, BM, BN, SR), kt, INTERP)
+        dq += _dot(_quant_ds(ds, m_idx, n0, TP, key, BM, BN, SR), kt, INTERP)
     _store(DQ + base + off, dq * sgkt, mask, INTERP)
 
 
@@ -686,12 +695,10 @@ def _bwd_dkdv_kernel(Qc, Qs, Qv, Qtc, Qts, Qtv, Kc, Ks, Kv, Vc, Vs, Vv, Ktc, Kts
             p_t = tl.where(keep, p_t, 0.0)
             dv += _dot(_rn_bf16(p_t, INTERP), do, INTERP)
             ds_t = p_t * (_dot(v, tl.trans(do), INTERP) * gv - delta[None, :])
-            n = n_idx.to(tl.uint32)[:, None] * TP + m_idx.to(tl.uint32)[None, :]
-            dk += _dot(_quant_ds(ds_t, n, key, BN, BM, SR), qt, INTERP)
+            dk += _dot(_quant_ds(ds_t, n_idx, m0, TP, key, BN, BM, SR), qt, INTERP)
             if FUSED_DQ:
                 key_q = _hash_key(seed, (2 * bh).to(tl.uint32))
-                n_q = m_idx.to(tl.uint32)[:, None] * TP + n_idx.to(tl.uint32)[None, :]
-                dq = _dot(_quant_ds(tl.trans(ds_t), n_q, key_q, BM, BN, SR), kt, INTERP)  # (BM, BD)
+                dq = _dot(_quant_ds(tl.trans(ds_t), m_idx, pid_n * BN, TP, key_q, BM, BN, SR), kt, INTERP)  # (BM, BD)
                 tl.atomic_add(DQ32 + off, dq, mask=mask, sem="relaxed")  # a sum: no ordering needed
     mask = _tile_mask(n_idx, d, T, D)
     off = (bkv * T).to(tl.int64) * D + (n_idx[:, None] * D + d[None, :])
