@@ -1091,6 +1091,18 @@ __device__ __forceinline__ void f16x2_to_f32(u32 w, float& a, float& b) {
   b = f.y;
 }
 
+// One 16-byte load's elements as FP32: 4 FP32 (SRC 0) or 8 BF16 / FP16 (SRC 1, 2).
+template <int SRC, int VEC>
+__device__ __forceinline__ void unpack_vec(float (&v)[VEC], const uint4& raw) {
+  const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    if constexpr (SRC == 0) v[k] = __uint_as_float(w[k]);
+    else if constexpr (SRC == 1) bf16x2_to_f32(w[k], v[2 * k], v[2 * k + 1]);
+    else f16x2_to_f32(w[k], v[2 * k], v[2 * k + 1]);
+  }
+}
+
 template <int SRC, int G>  // G contiguous elements from a 16-byte aligned address
 __device__ __forceinline__ void load_dense(float (&x)[G], const void* src, u64 off) {
   if constexpr (SRC == 0) {
@@ -1107,12 +1119,10 @@ __device__ __forceinline__ void load_dense(float (&x)[G], const void* src, u64 o
     for (int i = 0; i < G / 8; i++) raw[i] = __ldg(s + i);
 #pragma unroll
     for (int i = 0; i < G / 8; i++) {
-      u32 w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+      float v[8];
+      unpack_vec<SRC, 8>(v, raw[i]);
 #pragma unroll
-      for (int k = 0; k < 4; k++) {
-        if constexpr (SRC == 1) bf16x2_to_f32(w[k], x[8 * i + 2 * k], x[8 * i + 2 * k + 1]);
-        else f16x2_to_f32(w[k], x[8 * i + 2 * k], x[8 * i + 2 * k + 1]);
-      }
+      for (int k = 0; k < 8; k++) x[8 * i + k] = v[k];
     }
   }
 }
@@ -1351,17 +1361,6 @@ __device__ __forceinline__ void e2m1x8_to_f16(u32 w, u32* h) {
 // NT: quant_cols' blockDim (its launch bounds, which fp4's launch matches). The vector path issues
 // up to 4 of a thread's 16-byte loads before the first is used: as a loop over a runtime blockDim
 // it had one load in flight a thread (cuobjdump -sass: LDG.128 then STS.128, per trip).
-template <int SRC, int VEC>
-__device__ __forceinline__ void unpack_vec(float (&v)[VEC], const uint4& raw) {
-  const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int k = 0; k < 4; k++) {
-    if constexpr (SRC == 0) v[k] = __uint_as_float(w[k]);
-    else if constexpr (SRC == 1) bf16x2_to_f32(w[k], v[2 * k], v[2 * k + 1]);
-    else f16x2_to_f32(w[k], v[2 * k], v[2 * k + 1]);
-  }
-}
-
 template <int SRC, int G, int LANES>
 __device__ __forceinline__ void load_tile(float* tile, const void* __restrict__ x, u32 R, u32 K, u32 r0, u32 c0,
                                           const RowSigns& sw) {
