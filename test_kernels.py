@@ -1008,7 +1008,7 @@ def test_nv_amax_variant(monkeypatch):
     """Which pre-passes nv_amax takes (kernels.nv_amax_variant), and FP4_NV_AMAX=fused keeps them all fused."""
     f32, bf16 = kernels._SRC_KIND[torch.float32], kernels._SRC_KIND[torch.bfloat16]
     monkeypatch.delenv("FP4_NV_AMAX", raising=False)
-    assert kernels.nv_amax_variant("rows", bf16, 64, 128, 0, False) is None  # the default: fused
+    assert kernels.nv_amax_variant("rows", bf16, 64, 128, 0, False) == 0  # the default: the nv_amax kernel
     monkeypatch.setenv("FP4_NV_AMAX", "kernel")
     assert kernels.nv_amax_variant("rows", bf16, 64, 128, 0, False) == 0
     assert kernels.nv_amax_variant("rows", f32, 64, 128, 16, False) == 0
