@@ -179,19 +179,24 @@ NV_CASES = [  # (shape, dtype, rule, rounding, hadamard, signs, block2d, special
 ]
 
 
+def _nv_group(had, rnd):  # the NVFP4 group a quantize works in: 16, or the Hadamard's / EDEN's 128
+    return max(16, had, fp4.EDEN_GROUP if rnd == "eden" else 0)
+
+
+# each case along both axes and, for 128-groups, in both layouts (kernels.nv128_rows/cols_layout);
+# block2d along axis 0 only where both dims are multiples of 16
+NV_RUNS = [(*case, axis, layout) for case in NV_CASES for axis in (-1, 0) for layout in ("group", "quad")
+           if (layout == "group" or _nv_group(case[4], case[3]) == 128)
+           and not (axis == 0 and case[6] and case[0][0] % 16)]
+
+
 @gpu
-@pytest.mark.parametrize("shape,dtype,rule,rnd,had,signed,block2d,special", NV_CASES)
-@pytest.mark.parametrize("axis", [-1, 0])
-@pytest.mark.parametrize("layout", ["group", "quad"])  # kernels.nv128_rows/cols_layout: the 128-groups
+@pytest.mark.parametrize("shape,dtype,rule,rnd,had,signed,block2d,special,axis,layout", NV_RUNS)
 def test_quantize_nv(shape, dtype, rule, rnd, had, signed, block2d, special, axis, layout, monkeypatch):
-    if layout == "quad" and max(16, had, fp4.EDEN_GROUP if rnd == "eden" else 0) != 128:
-        pytest.skip("the quad layouts are for 128-groups")
     monkeypatch.setenv("FP4_NV128_ROWS", layout)  # axis -1: quant_rows
     monkeypatch.setenv("FP4_NV128_COLS", layout)  # axis 0: quant_cols
     if axis == 0:
         shape = (shape[1], shape[0])
-        if block2d and shape[1] % 16:
-            pytest.skip("block2d needs both dims divisible by 16")
     x = rand(shape, dtype, seed=hash((shape, rule, rnd, had, block2d)) & 0xFFFF, special=special)
     signs = fp4.random_signs(had, 11, "cuda") if signed else None
     got, want = both("quantize", x, "nvfp4", axis=axis, scale_rule=rule, rounding=rnd, hadamard=had,
@@ -272,13 +277,14 @@ REQ_CASES = [  # (shape, in fmt, in options, out fmt, out options)
 ]
 
 
+# each case in the group layout and, for NVFP4 128-groups, in the quad one (kernels.nv128_cols_layout)
+REQ_RUNS = [(*case, layout) for case in REQ_CASES for layout in ("group", "quad")
+            if layout == "group" or (case[3] == "nvfp4" and _nv_group(case[4].get("hadamard", 0), case[4].get("rounding")) == 128)]
+
+
 @gpu
-@pytest.mark.parametrize("shape,fin,optin,fout,optout", REQ_CASES)
-@pytest.mark.parametrize("layout", ["group", "quad"])  # kernels.nv128_cols_layout
+@pytest.mark.parametrize("shape,fin,optin,fout,optout,layout", REQ_RUNS)
 def test_requantize(shape, fin, optin, fout, optout, layout, monkeypatch):
-    group = max(16, optout.get("hadamard", 0), fp4.EDEN_GROUP if optout.get("rounding") == "eden" else 0)
-    if layout == "quad" and (fout != "nvfp4" or group != 128):
-        pytest.skip("the quad cols layout is for NVFP4 128-groups")
     monkeypatch.setenv("FP4_NV128_COLS", layout)
     x = rand(shape, torch.bfloat16, seed=sum(shape), special=True)
     with reference():
