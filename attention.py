@@ -739,7 +739,13 @@ def _launch_shape(qq, kq):
     return b, h, t, d, h // kq.shape[1], triton.next_power_of_2(d)
 
 
-def triton_forward(qq, kq, vq, causal, scale, dtype, bm=128, bn=64, num_warps=8, num_stages=2):
+# Launch settings: 4 warps, 2 stages, the fastest of bench.py's three candidates on the H200 in two
+# sessions (forward 0.75-0.77 ms, backward 5.31-7.29 ms against 6.38-8.17 ms at 8 warps, 1B shape;
+# results/nvidia-h200/session9,10/bench_attention.json). The numbers do not depend on them.
+NUM_WARPS, NUM_STAGES = 4, 2
+
+
+def triton_forward(qq, kq, vq, causal, scale, dtype, bm=128, bn=64, num_warps=NUM_WARPS, num_stages=NUM_STAGES):
     """O (B, H, T, D) in dtype and lse (B, H, T) FP32 from the NVFP4 Q, K, V (Triton)."""
     b, h, t, d, group, bd = _launch_shape(qq, kq)
     codes = _codes_mode()
@@ -763,7 +769,8 @@ def _bwd_layout():
     return layout
 
 
-def triton_backward(do, o, lse, qq, kq, vq, causal, scale, seed, ds_rounding, num_warps=8, num_stages=2, layout=None):
+def triton_backward(do, o, lse, qq, kq, vq, causal, scale, seed, ds_rounding, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+                    layout=None):
     """dQ, dK, dV in O's dtype (Triton); seed: an int32 tensor (1,) on the device; layout: one of
     BWD_LAYOUTS, or None for FP4_ATTENTION_BWD (_bwd_layout)."""
     b, h, t, d, group, bd = _launch_shape(qq, kq)

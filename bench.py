@@ -905,7 +905,7 @@ def _fp4_attention_parts(attn, q, k, v, do):
         "BF16 copies of Q, K, V (dequantize)": lambda: [attn._unit(x) for x in (qq, kq, vq)],
         "re-quantize Q, K along T (kernels.cu)": lambda: (attn.along_tokens(qq), attn.along_tokens(kq)),
     }
-    for warps, stages in ((8, 2), (4, 2), (8, 3)):  # launch settings to choose from (numbers unchanged)
+    for warps, stages in ((8, 2), (4, 2), (8, 3), (4, 3)):  # launch settings to choose from (numbers unchanged)
         parts[f"forward (copies + Triton), warps {warps} stages {stages}"] = lambda w=warps, st=stages: (
             attn.triton_forward(qq, kq, vq, True, sc, torch.bfloat16, num_warps=w, num_stages=st))
         parts[f"backward (all of it), warps {warps} stages {stages}"] = lambda w=warps, st=stages: (
