@@ -830,9 +830,9 @@ def _recipe(name):
     return RECIPES[name]
 
 
-@functools.cache
 def _dim_multiple(recipe):
-    """What every GEMM dim (in, out and tokens) must be divisible by under a recipe."""
+    """What every GEMM dim (in, out and tokens) must be divisible by under a recipe (not cached:
+    a few lookups, and torch.compile traces through it without a warning)."""
     r = _recipe(recipe)
     if r is None:
         return 1

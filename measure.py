@@ -533,12 +533,10 @@ def fullstack_backward(change):
     """RECIPES['fullstack'] with some backward operands' treatment replaced, for the duration."""
     saved = fp4.RECIPES["fullstack"]
     fp4.RECIPES["fullstack"] = {**saved, **change}
-    fp4._dim_multiple.cache_clear()
     try:
         yield
     finally:
         fp4.RECIPES["fullstack"] = saved
-        fp4._dim_multiple.cache_clear()
 
 
 def compare_backwards(cases, rank, calls):
