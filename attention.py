@@ -739,7 +739,7 @@ def _launch_shape(qq, kq):
     return b, h, t, d, h // kq.shape[1], triton.next_power_of_2(d)
 
 
-# Launch settings: 4 warps, 2 stages, the fastest of bench.py's three candidates on the H200 in two
+# Launch settings: 4 warps, 2 stages, the fastest of bench.py's candidates on the H200 in two
 # sessions (forward 0.75-0.77 ms, backward 5.31-7.29 ms against 6.38-8.17 ms at 8 warps, 1B shape;
 # results/nvidia-h200/session9,10/bench_attention.json). The numbers do not depend on them.
 NUM_WARPS, NUM_STAGES = 4, 2
