@@ -1,0 +1,560 @@
+"""
+The accuracy study's analysis: what study.py's runs say. From the run JSONs in
+results/<gpu>/study/: the gaps to BF16 paired by seed with Student-t intervals, the gaps along
+the loss curves, the Quartet-form scaling law (SPEC.md 6) with effN and effD per recipe and
+bootstrap intervals, and the report (report.md, report.json, curves_*.png, law.png).
+
+$ python study.py report                  # the same as analysis.report(results/<gpu>/study)
+
+study.py runs the grid and records each run; nothing here trains or needs a GPU.
+"""
+
+import math
+import os
+import statistics
+
+import numpy as np
+
+from model import RECIPES
+from study import load_records, tokens_label, write_json
+
+REFERENCE = 'bf16'  # every gap is against this recipe (under the same optimizer, see reference_of)
+# Quartet's BF16 fit (SPEC.md 6) and its effective-parameter / effective-data factors for
+# MXFP4 (Quartet, arXiv 2505.14669); the published gaps a user compares with
+QUARTET_LAW = dict(A=127444.7, a=0.5785, B=465834.3, b=0.5389, E=1.3408, g=0.2764)
+QUARTET_EFF = {'quartet': (0.658, 0.822)}
+PUBLISHED = ('Quartet: +2.6% to +2.9% val loss over BF16 at 100 tokens/param (200M-800M, C4); '
+             'Full-Stack FP4: +0.84% to +1.47% (3B, 64B tokens)')
+
+# -----------------------------------------------------------------------------
+# statistics: Student-t intervals on paired differences
+
+def t_two_sided(t, df):
+    """P(|T| <= t) for Student's t with integer df (Abramowitz & Stegun 26.7.3-26.7.4)."""
+    theta = math.atan(t / math.sqrt(df))
+    c2, s = math.cos(theta) ** 2, math.sin(theta)
+    if df % 2 == 0:
+        term = total = 1.0
+        for k in range(1, df // 2):
+            term *= c2 * (2 * k - 1) / (2 * k)
+            total += term
+        return s * total
+    term = total = math.cos(theta)
+    for k in range(1, (df - 1) // 2):
+        term *= c2 * (2 * k) / (2 * k + 1)
+        total += term
+    return 2 / math.pi * (theta + (s * total if df > 1 else 0.0))
+
+def t_quantile(p, df):
+    """The p-quantile (p > 0.5) of Student's t with df degrees of freedom, by bisection."""
+    if not 0.5 < p < 1 or df < 1:
+        raise ValueError(f'need 0.5 < p < 1 and df >= 1, got p={p}, df={df}')
+    lo, hi = 0.0, 1.0
+    while t_two_sided(hi, df) < 2 * p - 1:
+        hi *= 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_two_sided(mid, df) < 2 * p - 1 else (lo, mid)
+    return (lo + hi) / 2
+
+def paired_gap(ref, other, level=0.95):
+    """ref, other: {seed: val loss}. The relative gap other/ref - 1 per shared seed, its mean
+    and the t-interval mean +- t(1 - (1-level)/2, n-1) sd / sqrt(n); the same in nats.
+    Pairing removes what the seed does to both runs (init, data order, eval batches)."""
+    seeds = sorted(set(ref) & set(other))
+    rel = [other[s] / ref[s] - 1 for s in seeds]
+    nats = [other[s] - ref[s] for s in seeds]
+    out = dict(n=len(seeds), seeds=seeds)
+    for name, xs in (('rel', rel), ('nats', nats)):
+        mean = statistics.fmean(xs) if xs else math.nan
+        half = math.nan
+        if len(xs) >= 2:
+            half = t_quantile(1 - (1 - level) / 2, len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
+        out.update({name: mean, f'{name}_lo': mean - half, f'{name}_hi': mean + half})
+    return out
+
+# -----------------------------------------------------------------------------
+# the scaling law, Quartet's form (SPEC.md 6), fitted by least squares
+
+def law_loss(N, D, p, eff_n=1.0, eff_d=1.0):
+    """L = (A / (N effN)^a + B / (D effD)^b)^g + E; N non-embedding parameters, D tokens."""
+    return (p['A'] / (N * eff_n) ** p['a'] + p['B'] / (D * eff_d) ** p['b']) ** p['g'] + p['E']
+
+def _jacobian(residual, theta):
+    cols = []
+    for i in range(len(theta)):
+        h = 1e-6 * max(1.0, abs(theta[i]))
+        up, down = theta.copy(), theta.copy()
+        up[i] += h
+        down[i] -= h
+        cols.append((residual(up) - residual(down)) / (2 * h))
+    return np.stack(cols, axis=1)
+
+def levenberg_marquardt(residual, theta, iters=500):
+    """Minimise |residual(theta)|^2 from theta. Returns (theta, Jacobian, residuals)."""
+    theta = np.asarray(theta, dtype=np.float64)
+    r = residual(theta)
+    cost, lam = r @ r, 1e-3
+    for _ in range(iters):
+        J = _jacobian(residual, theta)
+        JtJ, grad = J.T @ J, J.T @ r
+        while lam < 1e12:  # raise the damping until a step lowers the cost
+            step = np.linalg.lstsq(JtJ + lam * np.diag(np.diag(JtJ) + 1e-12), -grad, rcond=None)[0]
+            r_new = residual(theta + step)
+            if np.all(np.isfinite(r_new)) and r_new @ r_new < cost:
+                break
+            lam *= 4
+        else:
+            break  # no step helps: a minimum, to the precision of the Jacobian
+        gain = (cost - r_new @ r_new) / max(cost, 1e-300)
+        theta, r, cost, lam = theta + step, r_new, r_new @ r_new, max(lam / 3, 1e-12)
+        if gain < 1e-15 or cost < 1e-30:
+            break
+    return theta, _jacobian(residual, theta), r
+
+def _start(N, D, L, n_groups):
+    """A, B, E to start from, Quartet's exponents: for each E on a grid below the smallest
+    loss, (L - E)^(1/g) = A N^-a + B D^-b is linear in A and B."""
+    q = QUARTET_LAW
+    X = np.stack([N ** -q['a'], D ** -q['b']], axis=1)
+    best = None
+    for E in np.linspace(0.0, L.min() - 1e-3, 60):
+        u = (L - E) ** (1 / q['g'])
+        AB = np.maximum(np.linalg.lstsq(X, u, rcond=None)[0], 1e-6 * u.mean() / X.mean(axis=0))
+        sse = np.sum(((X @ AB) ** q['g'] + E - L) ** 2)
+        if best is None or sse < best[0]:
+            best = (sse, np.log(AB[0]), np.log(AB[1]), E)
+    return np.array([best[1], best[2], best[3]] + [0.0] * (2 * n_groups))
+
+def fit_law(cells, ref=REFERENCE, exponents='quartet', start=None):
+    """Fit cells [(group, N, D, loss)]: A, B, E shared by every group (and a, b, g when
+    exponents='free'; else Quartet's BF16 exponents), effN and effD per group, the reference
+    group's fixed at 1. Standard errors from the Jacobian: s^2 (J^T J)^-1, s^2 = SSE / dof."""
+    if exponents not in ('quartet', 'free'):
+        raise ValueError(f"exponents must be 'quartet' or 'free', got {exponents!r}")
+    groups = sorted({c[0] for c in cells} - {ref})
+    N, D, L = (np.array([c[i] for c in cells], dtype=np.float64) for i in (1, 2, 3))
+    row = np.array([groups.index(c[0]) + 1 if c[0] != ref else 0 for c in cells])
+    if not (row == 0).any():
+        raise ValueError(f'the law fit needs runs of the reference recipe {ref!r}')
+    k = 6 if exponents == 'free' else 3  # shared parameters before the per-group ones
+
+    def unpack(theta):
+        p = dict(A=math.exp(theta[0]), B=math.exp(theta[1]), E=theta[2])
+        if k == 6:
+            p.update(a=math.exp(theta[3]), b=math.exp(theta[4]), g=math.exp(theta[5]))
+        else:
+            p.update(a=QUARTET_LAW['a'], b=QUARTET_LAW['b'], g=QUARTET_LAW['g'])
+        log_eff = np.concatenate([[0.0, 0.0], theta[k:]]).reshape(-1, 2)  # row 0: the reference
+        return p, np.exp(log_eff[row])                                     # (cells, 2)
+
+    def residual(theta):
+        p, eff = unpack(theta)
+        return law_loss(N, D, p, eff[:, 0], eff[:, 1]) - L
+
+    if start is None:
+        start = _start(N[row == 0], D[row == 0], L[row == 0], len(groups))
+        if k == 6:
+            q = QUARTET_LAW
+            start = np.concatenate([start[:3], np.log([q['a'], q['b'], q['g']]), start[3:]])
+    theta, J, r = levenberg_marquardt(residual, start)
+    dof = len(L) - len(theta)
+    se = np.full(len(theta), math.nan)
+    if dof > 0:
+        se = np.sqrt(np.diag(r @ r / dof * np.linalg.pinv(J.T @ J)))
+    p, _ = unpack(theta)
+    # effN = exp(theta): its standard error is effN * se(theta) (delta method)
+    eff = {g: (math.exp(theta[k + 2 * i]), math.exp(theta[k + 2 * i + 1])) for i, g in enumerate(groups)}
+    eff_se = {g: (eff[g][0] * se[k + 2 * i], eff[g][1] * se[k + 2 * i + 1]) for i, g in enumerate(groups)}
+    exp_se = {n: p[n] * se[j] for j, n in ((3, 'a'), (4, 'b'), (5, 'g'))} if k == 6 else {}
+    return dict(params=p, eff=eff, eff_se=eff_se, exponent_se=exp_se, exponents=exponents,
+                rms=float(np.sqrt(np.mean(r ** 2))), n=len(L), dof=dof, theta=theta)
+
+def fit_auto(cells, ref=REFERENCE, max_rel_se=0.3):
+    """Free exponents where the data pins them (>= 3 sizes and >= 3 budgets of the reference,
+    each exponent's standard error under max_rel_se of it), else Quartet's. Says which."""
+    fixed = fit_law(cells, ref, 'quartet')
+    ref_cells = [c for c in cells if c[0] == ref]
+    sizes, budgets = len({c[1] for c in ref_cells}), len({c[2] for c in ref_cells})
+    why = f'{sizes} sizes x {budgets} token budgets of {ref}'
+    if sizes >= 3 and budgets >= 3:
+        t = fixed['theta']
+        free = fit_law(cells, ref, 'free', start=np.concatenate(
+            [t[:3], np.log([QUARTET_LAW[n] for n in 'abg']), t[3:]]))
+        rel = [free['exponent_se'][n] / free['params'][n] for n in 'abg']
+        if all(np.isfinite(rel)) and max(rel) < max_rel_se:
+            free['note'] = f'exponents a, b, g fitted ({why})'
+            return free
+        why += f'; fitted exponents had relative standard errors up to {max(rel):.2f}'
+    fixed['note'] = (f"exponents fixed to Quartet's BF16 fit (a={QUARTET_LAW['a']}, "
+                     f"b={QUARTET_LAW['b']}, g={QUARTET_LAW['g']}): the data ({why}) cannot pin them")
+    return fixed
+
+def bootstrap_eff(seed_losses, ref, exponents, start, n_boot=200, rng_seed=0, level=0.95):
+    """Percentile intervals of effN, effD: refit on cell means of seeds drawn with replacement.
+    One draw of seed ids serves every cell, so the pairing of recipes by seed is kept.
+    seed_losses: {(group, N, D): {seed: loss}}. Returns {group: ((lo, hi) effN, (lo, hi) effD)}."""
+    seeds = sorted({s for v in seed_losses.values() for s in v})
+    if len(seeds) < 2:
+        return {}
+    rng = np.random.default_rng(rng_seed)
+    draws = {}
+    for _ in range(n_boot):
+        pick = rng.choice(seeds, size=len(seeds))
+        cells = [(g, N, D, float(np.mean([v[s] for s in pick if s in v] or list(v.values()))))
+                 for (g, N, D), v in seed_losses.items()]
+        for g, e in fit_law(cells, ref, exponents, start=start)['eff'].items():
+            draws.setdefault(g, []).append(e)
+    q = [50 * (1 - level), 100 - 50 * (1 - level)]
+    return {g: tuple(tuple(np.percentile(np.array(v)[:, j], q)) for j in (0, 1)) for g, v in draws.items()}
+
+# -----------------------------------------------------------------------------
+# report: tables, curves, the law
+
+def by_cell(records):
+    """{(size, tokens): {group: {seed: record}}} of every run, cells ordered by N then D."""
+    cells = {}
+    for rec in records.values():
+        cells.setdefault((rec['model_size'], rec['tokens']), {}).setdefault(rec['group'], {})[rec['seed']] = rec
+    order = sorted(cells, key=lambda c: (min(r['n_params'] for g in cells[c].values() for r in g.values()), c[1]))
+    return {c: cells[c] for c in order}
+
+def group_order(groups):
+    rank = {r: i for i, r in enumerate(RECIPES)}
+    return sorted(groups, key=lambda g: ('+' in g, rank.get(g.split('+')[0], 99), g))
+
+def optimizer_of(group, groups):
+    """The --optimizer a group's runs were given in their variant's flags ('' for the default)."""
+    flags = next(iter(groups[group].values())).get('flags') or ()
+    return next((f.partition('=')[2] for f in flags if f.startswith('--optimizer=')), '')
+
+def reference_of(group, groups):
+    """The runs a group's gap is taken against: bf16 under the same variant if the cell has
+    it (e.g. bf16+root for quartet+root); else, for an FP4 recipe whose variant changes the
+    optimizer, bf16 under that optimizer without FP4 (fullstack+full, which trains with
+    root_fp4, against bf16+root: ROOT alone lowers the loss by ~11% here, which is not FP4's doing);
+    else plain bf16."""
+    base, _, variant = group.partition('+')
+    same = f'{REFERENCE}+{variant}' if variant else REFERENCE
+    if same in groups and same != group:
+        return same
+    opt = optimizer_of(group, groups).partition('_fp4')[0]
+    twin = f'{REFERENCE}+{opt}'
+    if base != REFERENCE and opt not in ('', 'adamw') and twin in groups:
+        return twin
+    return REFERENCE
+
+def loss_key(groups):
+    """The loss a cell compares: 'val_loss_split' (the same val text for every run) where every
+    finished run of the cell has it, else 'val_loss' (eval batches drawn by each run's seed; the
+    runs of one seed share them, so paired gaps stay paired, but across seeds they add spread)."""
+    ok = [r for runs in groups.values() for r in runs.values() if r['status'] == 'ok']
+    return 'val_loss_split' if ok and all(r.get('val_loss_split') is not None for r in ok) else 'val_loss'
+
+def val_losses(runs, key='val_loss'):
+    return {s: r[key] for s, r in runs.items() if r['status'] == 'ok'}
+
+def gap_rows(records):
+    """One row per (cell, group): losses over seeds, the paired gap to its reference."""
+    rows = []
+    for (size, tokens), groups in by_cell(records).items():
+        key = loss_key(groups)
+        for group in group_order(groups):
+            runs = groups[group]
+            ok = [r for r in runs.values() if r['status'] == 'ok']
+            losses = val_losses(runs, key)
+            any_run = next(iter(runs.values()))
+            ref = reference_of(group, groups)
+            row = dict(size=size, tokens=tokens, group=group, ref=ref, seeds=sorted(losses), n_params=any_run['n_params'],
+                       diverged=sorted(s for s, r in runs.items() if r['status'] == 'diverged'),
+                       tokens_per_param=tokens / any_run['n_params'], epochs=any_run['epochs'],
+                       mean=statistics.fmean(losses.values()) if losses else math.nan,
+                       sd=statistics.stdev(losses.values()) if len(losses) > 1 else math.nan,
+                       eval='split' if key == 'val_loss_split' else 'batches',
+                       eval_se=statistics.median(r['val_loss_se'] for r in ok) if ok else math.nan,
+                       tokens_per_s=statistics.median(r['tokens_per_s'] for r in ok) if ok else math.nan,
+                       commits=sorted({r['git_commit'] or '?' for r in runs.values()}),
+                       corpora=sorted({r['corpus']['train_sha1'] for r in runs.values()}))
+            if group != ref and ref in groups:
+                row['gap'] = paired_gap(val_losses(groups[ref], key), losses)
+            base, _, variant = group.partition('+')
+            own = base if base in groups else f'{base}+{WHOLE}'  # an ablation: against the whole recipe
+            if variant and own in groups and own != group:
+                row['base'], row['vs_base'] = own, paired_gap(val_losses(groups[own], key), losses)
+            twin = f"{base}+{variant.partition('_fp4')[0]}"  # root_fp4's (root_fp4x2's) twin is root: not in FP4
+            if '_fp4' in variant and twin in groups:
+                row['twin'], row['vs_twin'] = twin, paired_gap(val_losses(groups[twin], key), losses)
+            rows.append(row)
+    return rows
+
+WHOLE = 'full'  # the variant naming a recipe with all its parts (fullstack+full); its ablations compare with it
+
+
+def curve_gaps(records):
+    """Each FP4 recipe's paired gap to its bf16 reference (reference_of) at every eval of the curve
+    both runs of a seed have, after step 0: dicts of size, tokens, group, ref, step, the reference's
+    mean loss there and the per-seed gaps. The evals' batches are drawn by the seed, so the pair
+    of a seed shares them. Whether a gap follows the loss reached or the optimizer and schedule:
+    compare the gaps at equal reference loss."""
+    out = []
+    for (size, tokens), groups in by_cell(records).items():
+        for group in group_order(groups):
+            ref = reference_of(group, groups)
+            if group.partition('+')[0] == REFERENCE or ref not in groups:
+                continue
+            pairs = [(groups[ref][s]['curve'], r['curve']) for s, r in sorted(groups[group].items())
+                     if r['status'] == 'ok' and groups[ref].get(s, {}).get('status') == 'ok']
+            if not pairs:
+                continue
+            steps = set.intersection(*(set(b['val_steps']) & set(q['val_steps']) for b, q in pairs)) - {0}
+            for step in sorted(steps):
+                at = [(b['val_loss'][b['val_steps'].index(step)], q['val_loss'][q['val_steps'].index(step)])
+                      for b, q in pairs]
+                out.append(dict(size=size, tokens=tokens, group=group, ref=ref, step=step,
+                                ref_loss=statistics.fmean(lb for lb, _ in at), gaps=[lq / lb - 1 for lb, lq in at]))
+    return out
+
+def curve_gap_table(records):
+    gaps = curve_gaps(records)
+    if not gaps:
+        return ''
+    lines = ['Each FP4 recipe\'s gap along the curve (the evals\' per-seed batches, paired by seed): compare '
+             'the gaps at equal reference loss to tell the loss reached from the optimizer and schedule.', '',
+             '| size | tokens | recipe | against | step | reference val loss | gap per seed |', '|---|---|---|---|---|---|---|']
+    for g in gaps:
+        lines.append(f"| {g['size']} | {tokens_label(g['tokens'])} | {g['group']} | {g['ref']} | {g['step']} | "
+                     f"{g['ref_loss']:.3f} | {', '.join(f'{100 * x:+.2f}%' for x in g['gaps'])} |")
+    return '\n'.join(lines) + '\n'
+
+def fmt_gap(gap):
+    if gap is None or gap['n'] == 0:
+        return '—', '—'
+    if gap['n'] < 2:
+        return f"{100 * gap['rel']:+.2f}%", 'one seed: none'
+    return f"{100 * gap['rel']:+.2f}%", f"[{100 * gap['rel_lo']:+.2f}%, {100 * gap['rel_hi']:+.2f}%]"
+
+def gap_cells(gap, against, row, rows):
+    """(gap, interval) as fmt_gap, the gap followed by ' (sd X%: within|outside)': the seed sd of
+    `against`'s runs in row's cell, relative to their mean, and whether the mean gap is inside it
+    (the issues' "within the seed spread"); no sd without 2 seeds."""
+    text, interval = fmt_gap(gap)
+    ref = next((r for r in rows if (r['size'], r['tokens'], r['group']) == (row['size'], row['tokens'], against)), None)
+    if gap and gap['n'] >= 2 and ref is not None and np.isfinite(ref['sd']):
+        sd = ref['sd'] / ref['mean']
+        text += f" (sd {100 * sd:.2f}%: {'within' if abs(gap['rel']) <= sd else 'outside'})"
+    return text, interval
+
+def fmt_eval(row):
+    return 'whole split' if row['eval'] == 'split' else f"per-seed batches, SE {row['eval_se']:.4f}"
+
+def gap_table(rows):
+    lines = ['| size | tokens | tokens/param | recipe | seeds | val loss (mean ± sd) | gap (paired) '
+             '| 95% interval | eval | tokens/s |', '|' + '---|' * 10]
+    for r in rows:
+        gap, interval = fmt_gap(r.get('gap'))
+        if r.get('gap'):
+            gap += f" vs {r['ref']}" if r['ref'] != REFERENCE else ''
+        sd = f" ± {r['sd']:.4f}" if np.isfinite(r['sd']) else ''
+        seeds = f"{len(r['seeds'])}" + (f" (+{len(r['diverged'])} diverged)" if r['diverged'] else '')
+        lines.append(f"| {r['size']} | {tokens_label(r['tokens'])} | {r['tokens_per_param']:.3g} "
+                     f"| {r['group']} | {seeds} | {r['mean']:.4f}{sd} | {gap} | {interval} "
+                     f"| {fmt_eval(r)} | {r['tokens_per_s']:,.0f} |")
+    return '\n'.join(lines)
+
+def law_section(records, exponents='auto', n_boot=200):
+    """The fit over the val-loss means of every (group, N, D) cell; markdown and numbers."""
+    seed_losses = {}
+    for (size, tokens), groups in by_cell(records).items():
+        for group, runs in groups.items():
+            losses = val_losses(runs, loss_key(groups))
+            if losses:
+                n = next(iter(runs.values()))['n_params']
+                seed_losses[(group, n, tokens)] = losses
+    ref = [k for k in seed_losses if k[0] == REFERENCE]
+    sizes, budgets = len({k[1] for k in ref}), len({k[2] for k in ref})
+    if sizes < 3 or budgets < 2:
+        return (f'Law fit: not yet; it needs {REFERENCE} runs at >= 3 sizes x >= 2 token budgets, '
+                f'there are {sizes} x {budgets}.'), None
+    count = {}
+    for g, _, _ in seed_losses:
+        count[g] = count.get(g, 0) + 1
+    seed_losses = {k: v for k, v in seed_losses.items() if count[k[0]] >= 2}  # 2 unknowns a group
+    cells = [(g, n, d, statistics.fmean(v.values())) for (g, n, d), v in seed_losses.items()]
+    fit = fit_auto(cells) if exponents == 'auto' else fit_law(cells, exponents=exponents)
+    if exponents != 'auto':
+        fit['note'] = f'exponents: {exponents}'
+    boot = bootstrap_eff(seed_losses, REFERENCE, fit['exponents'], fit['theta'], n_boot)
+    p = fit['params']
+    lines = [f"Law fit over {fit['n']} cells (mean val loss over seeds): {fit['note']}. "
+             f"A = {p['A']:.4g}, a = {p['a']:.4f}, B = {p['B']:.4g}, b = {p['b']:.4f}, "
+             f"g = {p['g']:.4f}, E = {p['E']:.4f}; rms residual {fit['rms']:.4f} nats.", '',
+             '| recipe | effN ± SE (fit) | 95% (bootstrap over seeds) | effD ± SE (fit) '
+             '| 95% (bootstrap over seeds) | Quartet (effN, effD) |', '|---|---|---|---|---|---|']
+    for g in group_order(fit['eff']):
+        (en, ed), (sn, sd), b = fit['eff'][g], fit['eff_se'][g], boot.get(g)
+        ci = [f'[{lo:.3f}, {hi:.3f}]' for lo, hi in b] if b else ['one seed: none'] * 2
+        pub = QUARTET_EFF.get(g)
+        lines.append(f"| {g} | {en:.3f} ± {sn:.3f} | {ci[0]} | {ed:.3f} ± {sd:.3f} | {ci[1]} | "
+                     f"{f'{pub[0]}, {pub[1]}' if pub else '—'} |")
+    fit['bootstrap'] = boot
+    return '\n'.join(lines), fit
+
+def smooth(x, window):
+    x = np.asarray(x, dtype=np.float64)
+    if window <= 1 or len(x) < window:
+        return x
+    return np.convolve(x, np.ones(window) / window, mode='valid')
+
+def plot_cell(size, tokens, groups, path):
+    """Train loss (smoothed) with a min-max band over seeds, val points; the paired gap to
+    bf16 in % from the smoothed train losses, with its band."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, (ax, axg) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ref = {s: r for s, r in groups.get(REFERENCE, {}).items() if r['status'] == 'ok'}
+    lo_y, hi_y, gaps = math.inf, -math.inf, [0.0]
+    for group in group_order(groups):
+        runs = {s: r for s, r in groups[group].items() if r['status'] == 'ok'}
+        if not runs:
+            continue
+        steps = len(next(iter(runs.values()))['curve']['train_loss'])
+        tokens_a_step = tokens / steps
+        w = max(1, steps // 40)
+        curves = np.stack([smooth(r['curve']['train_loss'], w) for r in runs.values()])
+        x = (np.arange(curves.shape[1]) + (w + 1) / 2) * tokens_a_step / 1e6  # window centres
+        line, = ax.plot(x, curves.mean(0), lw=1.2, label=f'{group} ({len(runs)} seeds)')
+        ax.fill_between(x, curves.min(0), curves.max(0), color=line.get_color(), alpha=0.25)
+        vs = np.array(next(iter(runs.values()))['curve']['val_steps']) * tokens_a_step / 1e6
+        vl = np.mean([r['curve']['val_loss'] for r in runs.values()], axis=0)
+        ax.plot(vs, vl, 'o', color=line.get_color(), ms=4)
+        tail = curves.mean(0)[len(x) // 5:]
+        lo_y, hi_y = min(lo_y, tail.min()), max(hi_y, tail.max())
+        pairs = [s for s in runs if s in ref]
+        if group != REFERENCE and pairs:
+            rel = np.stack([smooth(runs[s]['curve']['train_loss'], w) /
+                            smooth(ref[s]['curve']['train_loss'], w) - 1 for s in pairs]) * 100
+            axg.plot(x, rel.mean(0), color=line.get_color(), lw=1.2, label=f'{group} ({len(pairs)} pairs)')
+            axg.fill_between(x, rel.min(0), rel.max(0), color=line.get_color(), alpha=0.25)
+            gaps += [rel.min(0)[len(x) // 5:].min(), rel.max(0)[len(x) // 5:].max()]
+    if np.isfinite(lo_y):
+        ax.set_ylim(lo_y - 0.05 * (hi_y - lo_y + 0.1), hi_y + 0.05 * (hi_y - lo_y + 0.1))
+    ax.set(xlabel='tokens (M)', ylabel='train loss (smoothed); dots: val',
+           title=f'{size}, {tokens_label(tokens)} tokens: band = min..max over seeds')
+    axg.axhline(0, color='k', lw=0.6)
+    axg.set(xlabel='tokens (M)', ylabel=f'train loss / {REFERENCE} - 1 (%)',
+            title='paired gap to bf16 (same seed), band = min..max over pairs')
+    axg.set_ylim(min(gaps) - 0.5, max(gaps) + 0.5)  # the first fifth (warmup) may leave the frame
+    for a in (ax, axg):
+        a.grid(alpha=0.3)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+def plot_law(fit, records, path):
+    """Per group: the seed-mean val loss of each (size, budget) and the fitted law's curves."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+    groups = [REFERENCE] + group_order(fit['eff'])
+    fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 4), sharey=True, squeeze=False)
+    cells = by_cell(records)
+    for ax, group in zip(axes[0], groups):
+        en, ed = fit['eff'].get(group, (1.0, 1.0))
+        for size in dict.fromkeys(s for s, _ in cells):  # by_cell orders them by N
+            pts = [(d, statistics.fmean(val_losses(g[group], loss_key(g)).values()),
+                    next(iter(g[group].values()))['n_params'])
+                   for (s, d), g in cells.items() if s == size and val_losses(g.get(group, {}))]
+            if not pts:
+                continue
+            d = np.array([p[0] for p in pts])
+            dd = np.geomspace(d.min() / 1.5, d.max() * 1.5, 50)
+            line, = ax.plot(dd / 1e6, law_loss(pts[0][2], dd, fit['params'], en, ed), lw=1)
+            ax.plot(d / 1e6, [p[1] for p in pts], 'o', color=line.get_color(), label=size)
+        ax.set(xscale='log', xlabel='tokens (M)', title=f'{group}: effN {en:.2f}, effD {ed:.2f}')
+        for axis in (ax.xaxis.set_major_formatter, ax.xaxis.set_minor_formatter):
+            axis(matplotlib.ticker.FuncFormatter(lambda v, _: f'{v:g}'))  # 20, not 2x10^1
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel('val loss; lines: the fitted law')
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+def published_law_gaps(rows):
+    """What Quartet's own law (its C4 fit with its effN, effD; SPEC.md 6) predicts for each measured
+    cell of a recipe it has factors for: the gap at this N and D, beside the measured one."""
+    out = []
+    for r in rows:
+        if r['group'] in QUARTET_EFF and r.get('gap'):
+            n, d = r['n_params'], r['tokens']
+            pred = law_loss(n, d, QUARTET_LAW, *QUARTET_EFF[r['group']]) / law_loss(n, d, QUARTET_LAW) - 1
+            out.append(f"{r['group']} at {r['size']}, {tokens_label(d)}: {100 * pred:+.2f}% predicted, "
+                       f"{fmt_gap(r['gap'])[0]} measured {fmt_gap(r['gap'])[1]}")
+    return ("Quartet's published law (C4 constants, effN 0.658, effD 0.822) at these N and D: "
+            + ('; '.join(out) if out else 'no quartet cell with a gap yet') + '.')
+
+def report(directory, exponents='auto', n_boot=200, log=print):
+    """Write directory/report.md (the tables the README includes), report.json and the PNGs."""
+    records = load_records(directory)
+    if not records:
+        raise FileNotFoundError(f'no run JSONs in {directory}: run `python study.py run` first')
+    rows = gap_rows(records)
+    law_md, fit = law_section(records, exponents, n_boot)
+    cells = by_cell(records)
+    pngs = []
+    for (size, tokens), groups in cells.items():
+        name = f'curves_{size}_{tokens_label(tokens)}.png'
+        plot_cell(size, tokens, groups, os.path.join(directory, name))
+        pngs.append(name)
+    if fit:
+        plot_law(fit, records, os.path.join(directory, 'law.png'))
+        pngs.append('law.png')
+    noise = [f"{r['size']} {tokens_label(r['tokens'])}: seed sd {r['sd']:.4f} ({fmt_eval(r)}"
+             + (f"; the training's alone ~{math.sqrt(max(0.0, r['sd'] ** 2 - r['eval_se'] ** 2)):.4f}"
+                if r['eval'] == 'batches' else '') + ')'
+             for r in rows if r['group'] == REFERENCE and np.isfinite(r['sd'])]
+    commits = sorted({c for r in rows for c in r['commits']})
+    corpora = sorted({c for r in rows for c in r['corpora']})
+    variants = [r for r in rows if r.get('vs_base')]
+    md = [f'Val loss after the same tokens, per recipe; gap = mean over seeds of L(recipe, seed) / '
+          f'L(bf16, seed) - 1, the runs paired by seed (same init, data order and eval batches); '
+          f'95% interval = Student t on those paired gaps (n - 1 degrees of freedom). eval: '
+          f'"whole split" = the loss over the same val text for every run (train.py eval_split_tokens); '
+          f'"per-seed batches" = the last eval\'s random batches, drawn by the seed (the runs of a seed '
+          f'share them), with SE = the standard error of one val loss over them (median over seeds): '
+          f'across seeds that sampling adds to the spread, within a seed\'s pair it cancels. '
+          f'tokens/s: the runs\' median, often with other runs sharing the GPU (study.py --jobs, or '
+          f'several studies at once): how long runs took, not a speed measurement (bench.py is).', '',
+          gap_table(rows), '']
+    if variants:
+        md += ['Variants against their own recipe (an ablation, where the plain recipe has no runs, against '
+               f'its `+{WHOLE}` variant: what leaving that part out costs), and an `_fp4` variant against its '
+               'twin without FP4 (root_fp4 against root), paired by seed:', '',
+               '| size | tokens | variant | against | gap | 95% interval | twin | gap to twin | 95% interval |',
+               '|---|---|---|---|---|---|---|---|---|']
+        for r in variants:
+            cells = ((r['base'],) + gap_cells(r['vs_base'], r['base'], r, rows) + (r.get('twin', '—'),)
+                     + gap_cells(r.get('vs_twin'), r.get('twin'), r, rows))
+            md.append(f"| {r['size']} | {tokens_label(r['tokens'])} | {r['group']} | {' | '.join(cells)} |")
+        md += ['', '(sd: the seed sd of what the gap is against, relative to its mean; "within" where the '
+               'mean gap is no larger: the issues\' "within the seed spread")']
+        md.append('')
+    md += [curve_gap_table(records)]
+    md += [f'Published: {PUBLISHED}.', '', published_law_gaps(rows), '',
+           'Eval noise beside seed noise (bf16): ' + ('; '.join(noise) or 'needs >= 2 seeds') + '.', '',
+           law_md, '', 'Plots: ' + ', '.join(f'`{p}`' for p in pngs) + '.',
+           f"Code: {', '.join(c[:10] for c in commits)}; corpus (train.bin SHA-1): "
+           f"{', '.join(c[:10] for c in corpora)}" + (' (MIXED: runs from different corpora)'
+                                                     if len(corpora) > 1 else '') + '.']
+    text = '\n'.join(md) + '\n'
+    with open(os.path.join(directory, 'report.md'), 'w') as f:
+        f.write(text)
+    if fit:
+        fit = {k: v for k, v in fit.items() if k != 'theta'}
+    write_json(os.path.join(directory, 'report.json'), dict(rows=rows, law=fit))
+    log(text)
+    return rows, fit

@@ -1,0 +1,258 @@
+"""
+Tests for analysis.py: the paired intervals and the law fit on synthetic losses with known
+answers, and the report's pairing and tables on synthetic run records (written as study.py
+writes them). CPU only, a few seconds.
+
+$ python -m pytest test_analysis.py -q
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+import analysis
+import study
+
+# -----------------------------------------------------------------------------
+# paired intervals
+
+def test_t_quantile_textbook_values():
+    # two-sided 95% (and one 99%) critical values of Student's t, from any printed table
+    table = {1: 12.7062, 2: 4.3027, 3: 3.1824, 4: 2.7764, 5: 2.5706, 10: 2.2281, 30: 2.0423}
+    for df, t in table.items():
+        assert analysis.t_quantile(0.975, df) == pytest.approx(t, abs=1e-4), df
+    assert analysis.t_quantile(0.995, 4) == pytest.approx(4.6041, abs=1e-4)
+    z = 1.959963984540054  # large df: the normal's quantile + (z^3 + z) / (4 df) (Cornish-Fisher)
+    assert analysis.t_quantile(0.975, 20000) == pytest.approx(z + (z ** 3 + z) / 80000, abs=1e-7)
+    for df in (1, 2, 7, 8):  # the CDF is exact: it inverts the quantile
+        assert analysis.t_two_sided(analysis.t_quantile(0.9, df), df) == pytest.approx(0.8, abs=1e-12)
+    with pytest.raises(ValueError, match='0.5 < p < 1'):
+        analysis.t_quantile(0.2, 3)
+
+def test_paired_gap_arithmetic():
+    ref = {0: 3.0, 1: 3.1, 2: 2.9}
+    other = {s: ref[s] * (1 + g) for s, g in zip(ref, (0.01, 0.02, 0.03))}
+    other[7] = 9.9  # a seed bf16 lacks: not a pair, ignored
+    gap = analysis.paired_gap(ref, other)
+    assert gap['n'] == 3 and gap['seeds'] == [0, 1, 2]
+    half = 4.302652729911275 * 0.01 / math.sqrt(3)  # t(0.975, 2) * sd / sqrt(n)
+    assert gap['rel'] == pytest.approx(0.02, abs=1e-12)
+    assert gap['rel_lo'] == pytest.approx(0.02 - half, abs=1e-9)
+    assert gap['rel_hi'] == pytest.approx(0.02 + half, abs=1e-9)
+    nats = [other[s] - ref[s] for s in ref]  # 0.03, 0.062, 0.087
+    assert gap['nats'] == pytest.approx(np.mean(nats), abs=1e-12)
+    assert gap['nats_hi'] - gap['nats'] == pytest.approx(
+        4.302652729911275 * np.std(nats, ddof=1) / math.sqrt(3), abs=1e-9)
+    one = analysis.paired_gap({0: 3.0}, {0: 3.03})
+    assert one['rel'] == pytest.approx(0.01) and math.isnan(one['rel_lo'])
+
+def test_paired_interval_covers_the_known_gap():
+    """2000 synthetic 3-seed studies: a seed effect shared by both recipes (sd 0.05 nats, ten
+    times the recipe's own noise) and a true gap of 1.5%. The t-interval on paired gaps
+    is exact for normal noise: coverage 0.95 +- 3 sd of a binomial mean (0.0049)."""
+    rng = np.random.default_rng(0)
+    trials, covered, widths = 2000, 0, []
+    for _ in range(trials):
+        base = 3.0 + rng.normal(0, 0.05, size=3)
+        ref = dict(enumerate(base))
+        other = dict(enumerate(base * (1 + 0.015 + rng.normal(0, 0.004, size=3))))
+        g = analysis.paired_gap(ref, other)
+        covered += g['rel_lo'] <= 0.015 <= g['rel_hi']
+        widths.append(g['rel_hi'] - g['rel_lo'])
+    assert abs(covered / trials - 0.95) < 3 * math.sqrt(0.95 * 0.05 / trials)
+    # the width follows the recipe noise (0.004), not the seed effect (0.05 / 3 = 0.017):
+    # E[s] = 0.886 sigma for n = 3, so the mean width is 2 * 4.303 * 0.886 * 0.004 / sqrt(3)
+    assert np.mean(widths) == pytest.approx(2 * 4.3027 * 0.8862 * 0.004 / math.sqrt(3), rel=0.05)
+
+# -----------------------------------------------------------------------------
+# the law fit
+
+TRUE = dict(A=9e4, a=0.5785, B=3e5, b=0.5389, g=0.2764, E=1.6)  # Quartet's exponents
+EFF = {'bf16': (1.0, 1.0), 'quartet': (0.66, 0.82), 'nvfp4': (0.8, 0.5)}
+
+def synthetic_cells(params, sizes, budgets, noise=0.0, seeds=(0,), rng=None):
+    """{(group, N, D): {seed: loss}} from the law itself, plus per-run Gaussian noise."""
+    out = {}
+    for g, (en, ed) in EFF.items():
+        for N in sizes:
+            for D in budgets:
+                L = float(analysis.law_loss(N, D, params, en, ed))
+                out[(g, N, D)] = {s: L + (rng.normal(0, noise) if noise else 0.0) for s in seeds}
+    return out
+
+def means(seed_losses):
+    return [(g, N, D, float(np.mean(list(v.values())))) for (g, N, D), v in seed_losses.items()]
+
+def test_law_fit_recovers_known_parameters():
+    cells = means(synthetic_cells(TRUE, [30e6, 50e6, 100e6], [25e6, 50e6]))
+    fit = analysis.fit_law(cells, exponents='quartet')
+    for k in ('A', 'B', 'E'):
+        assert fit['params'][k] == pytest.approx(TRUE[k], rel=1e-6), k
+    for g in ('quartet', 'nvfp4'):
+        assert fit['eff'][g] == pytest.approx(EFF[g], rel=1e-6), g
+    assert fit['rms'] < 1e-9 and fit['dof'] == 18 - 7
+    # 3 sizes x 2 budgets cannot pin the exponents: auto keeps Quartet's and says so
+    auto = analysis.fit_auto(cells)
+    assert auto['exponents'] == 'quartet' and 'cannot pin' in auto['note']
+
+def test_law_fit_free_exponents():
+    """Exponents unlike Quartet's, on 4 sizes x 4 budgets: auto frees and recovers them."""
+    true = dict(TRUE, a=0.5, b=0.62, g=0.3, A=2e4, B=4e5)
+    cells = means(synthetic_cells(true, [30e6, 50e6, 100e6, 200e6], [12e6, 25e6, 50e6, 100e6]))
+    fit = analysis.fit_auto(cells)
+    assert fit['exponents'] == 'free' and 'fitted' in fit['note']
+    for k in ('a', 'b', 'g', 'E'):
+        assert fit['params'][k] == pytest.approx(true[k], rel=1e-4), k
+    assert fit['eff']['quartet'] == pytest.approx(EFF['quartet'], rel=1e-4)
+    with pytest.raises(ValueError, match='reference recipe'):
+        analysis.fit_law([c for c in cells if c[0] != 'bf16'])
+
+def test_law_fit_with_seed_noise():
+    """Noise of 0.003 nats a run, 3 seeds: effN, effD within 4 standard errors of the truth
+    (the fit's own, from the Jacobian), and the bootstrap interval over seeds around the fit."""
+    rng = np.random.default_rng(1)
+    seed_losses = synthetic_cells(TRUE, [30e6, 50e6, 100e6], [25e6, 50e6], 0.003, (0, 1, 2), rng)
+    fit = analysis.fit_law(means(seed_losses))
+    boot = analysis.bootstrap_eff(seed_losses, 'bf16', 'quartet', fit['theta'], n_boot=40)
+    for g in ('quartet', 'nvfp4'):
+        for j in (0, 1):
+            est, se, truth = fit['eff'][g][j], fit['eff_se'][g][j], EFF[g][j]
+            assert 0 < se < 0.2 and abs(est - truth) < 4 * se, (g, j, est, se)
+            lo, hi = boot[g][j]
+            assert lo < hi and lo <= est * 1.02 and est <= hi * 1.02, (g, j, lo, est, hi)
+
+def test_report_pairs_an_fp4_variant_with_its_twin(tmp_path):
+    """bf16+root_fp4 (and root_fp4x2) against bf16+root (the twin: the same optimizer without
+    FP4), paired by seed: the mean of the per-seed ratios; a variant without a twin gets none."""
+    losses = {'bf16': (4.0, 4.1), 'bf16+root': (3.6, 3.5), 'bf16+root_fp4': (3.69, 3.57), 'bf16+adamw_fp4': (4.0, 4.1),
+              'bf16+root_fp4x2': (3.6, 3.5)}
+    for group, per_seed in losses.items():
+        recipe, _, variant = group.partition('+')
+        for seed, L in enumerate(per_seed):
+            run = study.Run('30m', 13e6, recipe, seed, variant)
+            study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+                id=run.id, group=group, recipe=recipe, variant=variant, seed=seed, model_size='30m',
+                tokens=13e6, n_params=30e6, epochs=0.1, status='ok', val_loss=L, val_loss_se=0.01,
+                tokens_per_s=1e5, git_commit='abc', corpus=dict(train_sha1='f00'),
+                curve=dict(train_loss=[8.0, L], val_steps=[0, 10], val_loss=[8.0, L])))
+    rows, _ = analysis.report(str(tmp_path), n_boot=10, log=lambda m: None)
+    by = {r['group']: r for r in rows}
+    want = (3.69 / 3.6 + 3.57 / 3.5) / 2 - 1
+    assert by['bf16+root_fp4']['twin'] == 'bf16+root'
+    assert by['bf16+root_fp4']['vs_twin']['rel'] == pytest.approx(want) and by['bf16+root_fp4']['vs_twin']['n'] == 2
+    assert 'vs_twin' not in by['bf16+adamw_fp4'] and 'vs_twin' not in by['bf16+root']
+    assert by['bf16+root_fp4x2']['twin'] == 'bf16+root' and by['bf16+root_fp4x2']['vs_twin']['rel'] == 0
+    md = (tmp_path / 'report.md').read_text()
+    sd = np.std([3.6, 3.5], ddof=1) / 3.55  # root's seed sd, relative: 1.99% < the gap's 2.54%
+    assert f"| bf16+root | {100 * want:+.2f}% (sd {100 * sd:.2f}%: outside) |" in md
+    assert '| bf16+adamw_fp4 | bf16 | +0.00% (sd 1.75%: within) |' in md  # against bf16 (4.0, 4.1): sd 0.0707 / 4.05
+
+
+def test_fp4_recipe_with_its_own_optimizer_is_compared_to_bf16_under_that_optimizer(tmp_path):
+    """fullstack+full trains with --optimizer=root_fp4: its gap is against bf16+root (the same
+    optimizer without FP4), not against bf16 under AdamW; with no bf16+root runs, against bf16."""
+    losses = {('bf16', ''): (4.0, 4.1), ('bf16', 'root'): (3.6, 3.5), ('fullstack', 'full'): (3.69, 3.57),
+              ('fullstack', 'no_attn'): (3.60, 3.57)}
+    flags = {'root': ['--optimizer=root'], 'full': ['--attention=nvfp4', '--optimizer=root_fp4'],
+             'no_attn': ['--optimizer=root_fp4']}
+    for (recipe, variant), pair in losses.items():
+        for seed, L in enumerate(pair):
+            run = study.Run('30m', 13e6, recipe, seed, variant)
+            study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+                id=run.id, group=f'{recipe}+{variant}' if variant else recipe, recipe=recipe, variant=variant,
+                flags=flags.get(variant, []), seed=seed, model_size='30m', tokens=13e6, n_params=30e6, epochs=0.1,
+                status='ok', val_loss=L, val_loss_se=0.01, tokens_per_s=1e5, git_commit='abc',
+                corpus=dict(train_sha1='f00'), curve=dict(train_loss=[8.0, L], val_steps=[0, 10], val_loss=[8.0, L])))
+    rows, _ = analysis.report(str(tmp_path), n_boot=10, log=lambda m: None)
+    full = next(r for r in rows if r['group'] == 'fullstack+full')
+    assert full['ref'] == 'bf16+root'
+    assert full['gap']['rel'] == pytest.approx((3.69 / 3.6 + 3.57 / 3.5) / 2 - 1)
+    ablation = next(r for r in rows if r['group'] == 'fullstack+no_attn')  # against the whole recipe too
+    assert ablation['ref'] == 'bf16+root' and ablation['base'] == 'fullstack+full'
+    assert ablation['vs_base']['rel'] == pytest.approx((3.60 / 3.69 + 1) / 2 - 1)
+    assert '| 30m | 13M | fullstack+no_attn | fullstack+full |' in (tmp_path / 'report.md').read_text()
+    assert [g['ref'] for g in analysis.curve_gaps(study.load_records(str(tmp_path)))] == ['bf16+root'] * 2
+    for seed in (0, 1):
+        (tmp_path / f'30m-13M-bf16-root-s{seed}.json').unlink()
+    rows, _ = analysis.report(str(tmp_path), n_boot=10, log=lambda m: None)
+    assert next(r for r in rows if r['group'] == 'fullstack+full')['ref'] == 'bf16'
+
+
+def test_curve_gaps_pair_each_eval_by_seed(tmp_path):
+    """quartet against bf16 at every shared eval after step 0, per seed; bf16 variants get none."""
+    curves = {('bf16', 0): [8.0, 5.0, 4.0], ('bf16', 1): [8.0, 5.2, 4.2],
+              ('quartet', 0): [8.0, 5.1, 4.04], ('quartet', 1): [8.0, 5.2, 4.41]}
+    for (recipe, seed), val in curves.items():
+        run = study.Run('30m', 13e6, recipe, seed, '')
+        study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+            id=run.id, group=recipe, recipe=recipe, variant='', seed=seed, model_size='30m', tokens=13e6,
+            n_params=30e6, epochs=0.1, status='ok', val_loss=val[-1], val_loss_se=0.01, tokens_per_s=1e5,
+            git_commit='abc', corpus=dict(train_sha1='f00'),
+            curve=dict(train_loss=[8.0, val[-1]], val_steps=[0, 5, 10], val_loss=val)))
+    gaps = analysis.curve_gaps(study.load_records(str(tmp_path)))
+    assert [(g['group'], g['ref'], g['step']) for g in gaps] == [('quartet', 'bf16', 5), ('quartet', 'bf16', 10)]
+    assert gaps[0]['ref_loss'] == pytest.approx(5.1) and gaps[0]['gaps'] == pytest.approx([0.02, 0.0])
+    assert gaps[1]['gaps'] == pytest.approx([0.01, 0.05])
+    analysis.report(str(tmp_path), n_boot=10, log=lambda m: None)
+    assert '| 30m | 13M | quartet | bf16 | 10 | 4.100 | +1.00%, +5.00% |' in (tmp_path / 'report.md').read_text()
+
+def test_report_fits_the_law_from_run_records(tmp_path):
+    """Run JSONs whose val losses follow the law (3 sizes x 2 budgets, 2 seeds, seed noise
+    0.002): the report's gap table, variant table, law table near the truth, and PNGs."""
+    rng = np.random.default_rng(2)
+    eff = dict(EFF, **{'quartet+x': (0.6, 0.8)})
+    for size in ('30m', '50m', '100m'):
+        N = study.n_params(size, 512)
+        for D in (12.5e6, 25e6):
+            for seed in (0, 1):
+                shift = rng.normal(0, 0.002)  # what a seed does to every recipe
+                for group, (en, ed) in eff.items():
+                    recipe, _, variant = group.partition('+')
+                    L = float(analysis.law_loss(N, D, TRUE, en, ed)) + shift + rng.normal(0, 0.002)
+                    run = study.Run(size, D, recipe, seed, variant)
+                    curve = dict(train_loss=list(np.linspace(8, L, 50)), val_steps=[0, 25, 50],
+                                 val_loss=[8.0, (8 + L) / 2, L])
+                    study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+                        id=run.id, group=group, recipe=recipe, variant=variant, seed=seed,
+                        model_size=size, tokens=D, n_params=N, epochs=0.1, status='ok',
+                        val_loss=L, val_loss_se=0.001, tokens_per_s=1e5, git_commit='abc',
+                        corpus=dict(train_sha1='f00'), curve=curve))
+    rows, fit = analysis.report(str(tmp_path), n_boot=30, log=lambda m: None)
+    assert fit['exponents'] == 'quartet' and len(rows) == 6 * 4
+    assert fit['eff']['quartet'] == pytest.approx(EFF['quartet'], abs=0.1)
+    assert set(fit['bootstrap']) == {'quartet', 'nvfp4', 'quartet+x'}
+    q = next(r for r in rows if r['group'] == 'quartet+x' and r['size'] == '30m')
+    assert q['ref'] == 'bf16' and q['vs_base']['n'] == 2 and q['gap']['rel'] > 0
+    md = (tmp_path / 'report.md').read_text()
+    assert "exponents fixed to Quartet's BF16 fit" in md and '| quartet | 0.' in md
+    assert 'Variants against their own recipe' in md and '| 100m | 25M | quartet+x |' in md
+    n, law = study.n_params('30m', 512), analysis.QUARTET_LAW  # the published law's own prediction
+    pred = analysis.law_loss(n, 12.5e6, law, 0.658, 0.822) / analysis.law_loss(n, 12.5e6, law) - 1
+    assert f'quartet at 30m, 12.5M: {100 * pred:+.2f}% predicted' in md and 0.01 < pred < 0.05
+    for png in ('law.png', 'curves_30m_12.5M.png', 'curves_100m_25M.png'):
+        assert (tmp_path / png).stat().st_size > 10_000
+
+def test_report_compares_the_split_loss_where_every_run_of_a_cell_has_it(tmp_path):
+    """A cell whose runs all have val_loss_split is compared on it (the same text for every run);
+    a cell where one lacks it falls back to val_loss for all, so no pair mixes the two."""
+    def rec(size, recipe, seed, loss, split):
+        run = study.Run(size, 1e6, recipe, seed)
+        study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+            id=run.id, group=recipe, recipe=recipe, variant='', seed=seed, model_size=size, tokens=1e6,
+            n_params=study.n_params(size, 512), epochs=0.1, status='ok', val_loss=loss, val_loss_se=0.01,
+            val_loss_split=split, tokens_per_s=1e5, git_commit='abc', corpus=dict(train_sha1='f00'),
+            curve=dict(train_loss=[5.0, loss], val_steps=[0, 2], val_loss=[5.0, loss])))
+    for seed, (b, q) in enumerate([(3.0, 3.3), (3.2, 3.3)]):  # per-seed batches: noisy
+        rec('30m', 'bf16', seed, b, 2.0 + 0.01 * seed)
+        rec('30m', 'quartet', seed, q, 2.04 + 0.01 * seed)
+        rec('50m', 'bf16', seed, b, 1.9)
+        rec('50m', 'quartet', seed, q, None if seed else 1.95)
+    rows, _ = analysis.report(str(tmp_path), n_boot=10, log=lambda m: None)
+    by = {(r['size'], r['group']): r for r in rows}
+    assert by['30m', 'bf16']['eval'] == 'split' and by['30m', 'bf16']['mean'] == pytest.approx(2.005)
+    assert by['30m', 'quartet']['gap']['rel'] == pytest.approx((2.04 / 2.0 + 2.05 / 2.01) / 2 - 1)
+    assert by['50m', 'bf16']['eval'] == 'batches' and by['50m', 'bf16']['mean'] == pytest.approx(3.1)
+    assert by['50m', 'quartet']['gap']['rel'] == pytest.approx((3.3 / 3.0 + 3.3 / 3.2) / 2 - 1)
+    md = (tmp_path / 'report.md').read_text()
+    assert '| whole split |' in md and '| per-seed batches, SE 0.0100 |' in md
