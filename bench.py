@@ -471,13 +471,12 @@ class SkipVariant(Exception):
 
 
 def _torchao_float8(model, recipe_name):
+    """The block linears as torchao Float8Linear (model.to_float8: recipe 'float8' is 'tensorwise')."""
+    import model as llama
     try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        return llama.to_float8(model, recipe_name)
     except ImportError as err:
         raise SkipVariant(f"torchao not installed ({err.__class__.__name__}: pip install torchao)")
-    config = Float8LinearConfig.from_recipe_name(recipe_name)
-    keep = lambda mod, name: "lm_head" not in name  # noqa: E731  the block linears, as the recipes
-    return convert_to_float8_training(model, config=config, module_filter_fn=keep)
 
 
 def _step_net(args, variant, loss_chunk=0, recompute="none", device="cuda"):
@@ -488,8 +487,8 @@ def _step_net(args, variant, loss_chunk=0, recompute="none", device="cuda"):
     cfg = llama.config_for(args.model, block_size=args.seq, attention=attn or "bf16",
                              loss_chunk=loss_chunk, recompute=recompute)
     net = llama.GPT(cfg).to(device)
-    if base.startswith("float8-"):
-        net = _torchao_float8(net, base.split("-", 1)[1])
+    if base.startswith("float8"):  # "float8" (model.RECIPES: tensorwise), "float8-tensorwise", "float8-rowwise"
+        net = _torchao_float8(net, base.partition("-")[2] or "tensorwise")
     elif base == "fp8-rowwise":
         net = _fp8_model(net)
     else:

@@ -172,8 +172,8 @@ def export(ckpt_path, out_dir, fp4_weights=False):
         recipe = train.checkpoint_recipe(ckpt, ckpt_path)
     except train.CheckpointError as e:
         raise SystemExit(str(e))
-    if fp4_weights and recipe == 'bf16':
-        raise SystemExit(f'--fp4-weights: {ckpt_path} was trained with recipe bf16, which has no '
+    if fp4_weights and recipe in ('bf16', 'float8'):
+        raise SystemExit(f'--fp4-weights: {ckpt_path} was trained with recipe {recipe}, which has no '
                          f'FP4 layers: export without --fp4-weights')
     args, meta = ckpt['model_args'], checkpoint_meta(ckpt)
     tensors = hf_tensors(ckpt['model'], args, recipe, fp4_weights, ckpt_path)

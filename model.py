@@ -21,7 +21,9 @@ from torch.utils.checkpoint import checkpoint
 
 from attention import attention
 
-RECIPES = ('bf16', 'quartet', 'nvfp4', 'quartet2', 'fullstack')
+# the block linears' recipe: BF16, an FP4 recipe of fp4.RECIPES, or 'float8', the FP8 baseline a
+# Hopper user would otherwise run (torchao's float8 training, tensorwise scales; pip install torchao)
+RECIPES = ('bf16', 'quartet', 'nvfp4', 'quartet2', 'fullstack', 'float8')
 ATTENTIONS = ('bf16', 'nvfp4')  # attention.py's fmt None / 'nvfp4'; combines with any recipe
 RECOMPUTES = ('none', 'mlp')    # what the backward recomputes instead of keeping (Block.forward)
 
@@ -391,7 +393,7 @@ def chunked_cross_entropy(x, w, targets, chunk):
 # FP4 recipes
 
 def fp4_blocks(n_layer, recipe):
-    """Indices of the blocks whose linears run in FP4 under a recipe.
+    """Indices of the blocks whose linears run in FP4 under a recipe (in FP8 under float8).
     nvfp4 keeps the first and last blocks in BF16 (NVIDIA's recipe, SPEC.md 5: ~15% of
     the linears stay high precision; training everything in FP4 diverged at 12B)."""
     if recipe not in RECIPES:
@@ -402,11 +404,37 @@ def fp4_blocks(n_layer, recipe):
         return [i for i in range(n_layer) if i not in (0, n_layer - 1)]
     return list(range(n_layer))
 
+def gemm_multiple(recipe):
+    """What every block linear's in and out features, and a micro-step's token count, must be
+    divisible by: an FP4 recipe's block or rotation (fp4._dim_multiple: 32 or 128), float8's 16
+    (torch._scaled_mm's alignment; the weight gradient contracts over the tokens), else 1."""
+    if recipe == 'float8':
+        return 16
+    if recipe not in RECIPES or recipe == 'bf16':
+        return 1
+    import fp4
+    return fp4._dim_multiple(recipe)
+
+def to_float8(model, scaling='tensorwise', blocks=None):
+    """The block linears (or all of `blocks`' linears) as torchao Float8Linear, in place, with
+    torchao's `scaling` recipe ('tensorwise', 'rowwise'): FP8 GEMMs in all three products, the
+    same Parameters and state_dict keys. bench.py's float8 rows and recipe 'float8' are this."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as err:
+        raise ImportError(f"recipe 'float8' is torchao's float8 training: pip install torchao ({err})") from err
+    config = Float8LinearConfig.from_recipe_name(scaling)
+    for block in (model.transformer.h if blocks is None else blocks):
+        convert_to_float8_training(block, config=config)
+    return model
+
 def apply_recipe(model, recipe):
-    """Swap the block linears (qkv, o, gate_up, down) for fp4.FP4Linear, in place.
-    Embeddings and lm_head are never touched. 'bf16' leaves plain nn.Linear (autocast
-    runs them in BF16), so the model works without fp4.py."""
+    """Swap the block linears (qkv, o, gate_up, down) for fp4.FP4Linear, in place, or for
+    torchao's Float8Linear under 'float8' (to_float8). Embeddings and lm_head are never touched.
+    'bf16' leaves plain nn.Linear (autocast runs them in BF16), so the model works without fp4.py."""
     blocks = fp4_blocks(model.config.n_layer, recipe)
+    if recipe == 'float8':
+        return to_float8(model, blocks=[model.transformer.h[i] for i in blocks])
     if blocks:
         import fp4  # only the FP4 recipes need it
         # fullstack: L = 0 until fp4.refit_lora(model) (train.py refits at step 0)

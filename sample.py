@@ -66,7 +66,10 @@ def load_model(path, device='cpu'):
         raise SystemExit(str(e))
     except TypeError as e:  # model_args with a field this model.py does not have
         raise SystemExit(f"{path}: its model_args do not fit this model.py's GPTConfig ({e})")
-    model = apply_recipe(GPT(config), recipe)
+    try:
+        model = apply_recipe(GPT(config), recipe)
+    except ImportError as e:  # recipe 'float8' without torchao
+        raise SystemExit(f'{path}: {e}')
     train.load_model_state(model, ckpt, path)
     return model.to(device).eval(), ckpt
 

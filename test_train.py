@@ -31,6 +31,8 @@ try:
 except ImportError:
     HAVE_FP4 = False
 needs_fp4 = pytest.mark.skipif(not HAVE_FP4, reason='fp4.to_fp4 not available yet')
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec('torchao') is None,
+                                   reason="recipe 'float8' needs torchao (pip install torchao)")
 
 def load_script(path, name):
     """data/*/prepare.py are scripts, not packages: load them by path."""
@@ -190,6 +192,32 @@ def test_apply_recipe_real(recipe):
     for k, v in before.items():  # same keys, weights copied
         torch.testing.assert_close(after[k], v)
 
+@needs_torchao
+def test_float8_recipe_converts_the_block_linears_only():
+    from torchao.float8.float8_linear import Float8Linear
+    m = GPT(config_for('tiny', vocab_size=256, block_size=16))
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    apply_recipe(m, 'float8')
+    for block in m.transformer.h:
+        for lin in (block.attn.qkv, block.attn.o, block.mlp.gate_up, block.mlp.down):
+            assert isinstance(lin, Float8Linear), lin
+    assert type(m.lm_head) is torch.nn.Linear
+    after = m.state_dict()
+    assert after.keys() == before.keys()  # checkpoints and export_hf read the same keys
+    for k, v in before.items():
+        torch.testing.assert_close(after[k], v)
+
+def test_float8_without_torchao_is_a_clear_error(tmp_path, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: None if name == 'torchao' else real(name, *a))
+    with pytest.raises(configurator.ConfigError, match="recipe 'float8'.*pip install torchao"):
+        train.main(['--recipe=float8', f'--out_dir={tmp_path}'])
+
+def test_gemm_multiple():
+    assert model_py.gemm_multiple('bf16') == 1 and model_py.gemm_multiple('float8') == 16
+    if HAVE_FP4:
+        assert model_py.gemm_multiple('quartet') == 32 and model_py.gemm_multiple('quartet2') == 128
+
 # -----------------------------------------------------------------------------
 # training runs on a synthetic corpus
 
@@ -224,6 +252,7 @@ def run(corpus, out_dir, *args):
     pytest.param('quartet', marks=needs_fp4),
     pytest.param('nvfp4', marks=needs_fp4),
     pytest.param('quartet2', marks=needs_fp4),
+    pytest.param('float8', marks=needs_torchao),
 ])
 def test_loss_decreases(corpus, tmp_path, recipe):
     s = run(corpus, tmp_path, f'--recipe={recipe}', '--max_iters=15', '--eval_interval=15')
@@ -246,6 +275,7 @@ def test_loss_decreases(corpus, tmp_path, recipe):
     ('bf16', 2, 8),
     pytest.param('quartet', 1, 4, marks=needs_fp4),   # the FP4 recipes draw random signs
     pytest.param('quartet2', 1, 4, marks=needs_fp4),  # and SR noise from the RNG
+    pytest.param('float8', 1, 4, marks=needs_torchao),
 ])
 def test_resume_is_bit_identical(corpus, tmp_path, recipe, accum, steps):
     """Stop halfway and resume: the later steps and the final eval match the uninterrupted

@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
 import optim
-from model import ATTENTIONS, GPT, GPTConfig, RECIPES, RECOMPUTES, SIZES, apply_recipe, config_for
+from model import ATTENTIONS, GPT, GPTConfig, RECIPES, RECOMPUTES, SIZES, apply_recipe, config_for, gemm_multiple
 
 # -----------------------------------------------------------------------------
 # config: every global here can be overridden by config/*.py and --key=value
@@ -121,6 +121,9 @@ _resumed_step = None  # the step of the out_dir/ckpt.pt this run resumed from, s
 def check_config():
     if recipe not in RECIPES:
         raise configurator.ConfigError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+    if recipe == 'float8' and importlib.util.find_spec('torchao') is None:
+        raise configurator.ConfigError("recipe 'float8' is torchao's float8 training, and torchao is not "
+                                       "installed: pip install torchao")
     if attention not in ATTENTIONS:
         raise configurator.ConfigError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
     if model_size not in SIZES:
@@ -161,23 +164,22 @@ def check_config():
     check_shapes()
 
 def check_shapes():
-    """The dims and token counts the recipe's FP4 GEMMs must divide, checked now rather than
-    in the first forward: every block linear's in and out features, and the tokens of a
+    """The dims and token counts the recipe's FP4 (or FP8) GEMMs must divide, checked now rather
+    than in the first forward: every block linear's in and out features, and the tokens of a
     micro-step (batch_size * block_size), over which the weight gradient's GEMM runs."""
     try:
         cfg = config_for(model_size, block_size=block_size, n_kv_head=n_kv_head)
     except (AssertionError, ValueError) as e:
         raise configurator.ConfigError(f'model_size={model_size!r} with n_kv_head={n_kv_head}: {e}')
-    if recipe == 'bf16':
+    mult = gemm_multiple(recipe)
+    if mult == 1:
         return
-    import fp4  # only the FP4 recipes need it
-    mult = fp4._dim_multiple(recipe)
     tokens = batch_size * block_size
     if tokens % mult:
         step = mult // math.gcd(batch_size, mult)  # block_size must be a multiple of this
         fits = [b for b in (block_size // step * step, (block_size // step + 1) * step) if b]
         raise configurator.ConfigError(
-            f'recipe {recipe!r} needs batch_size * block_size divisible by {mult} (its FP4 GEMMs '
+            f'recipe {recipe!r} needs batch_size * block_size divisible by {mult} (its low-precision GEMMs '
             f'run over the tokens of a micro-step), got {batch_size} * {block_size} = {tokens}: '
             f"use e.g. --block_size={' or '.join(map(str, fits))}, or another batch_size")
     hs = cfg.n_embd // cfg.n_head
@@ -222,7 +224,10 @@ def log_header(config):
             f'CUDA {torch.version.cuda}')
     if shutil.which('nvidia-smi'):
         log(subprocess.run(['nvidia-smi'], capture_output=True, text=True, timeout=30).stdout)
-    if recipe != 'bf16':
+    if recipe == 'float8':
+        import torchao
+        log(f'float8: torchao {torchao.__version__}, tensorwise scales')
+    elif recipe != 'bf16':
         import fp4
         if hasattr(fp4, 'backends'):
             log(f'fp4 backends: {fp4.backends()}')
