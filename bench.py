@@ -959,7 +959,7 @@ def section_step_profile(args):
             f = kernel_family(e.key)
             families[f] = families.get(f, 0.0) + e.self_device_time_total / 2e3
         row = dict(model=args.model, variant=variant, optimizer=optimizer, loss_chunk=chunk, recompute=recompute,
-                   compile_mode=args.compile_mode, ms=round(ms, 1), gpu_busy_ms=round(busy, 1),
+                   compile_mode=args.compile_mode, ms=round(ms, 1), gpu_busy_ms=round(busy, 2),
                    busy_share=round(busy / ms, 3), tokens_per_s=round(args.batch * args.seq / ms * 1e3),
                    family_ms={f: round(v, 2) for f, v in sorted(families.items(), key=lambda kv: -kv[1])},
                    top_kernels=[dict(name=e.key[:90], ms=round(e.self_device_time_total / 2e3, 2),

@@ -169,7 +169,9 @@ def test_step_profile_on_gpu():
     for r in rows:
         ms = [k['ms'] for k in r['top_kernels']]
         assert 0 < r['gpu_busy_ms'] < 1.5 * r['ms'] and ms == sorted(ms, reverse=True) and ms[0] > 0, r
-        assert abs(sum(r['family_ms'].values()) - r['gpu_busy_ms']) < 0.05 * r['gpu_busy_ms'], r
+        # the families partition the same kernels: equal but for rounding each value to 0.01 ms
+        fam = r['family_ms'].values()
+        assert abs(sum(fam) - r['gpu_busy_ms']) <= 0.005 * (len(fam) + 1) + 1e-9, r
     assert rows[1]['family_ms'].get('fp4 (kernels.cu)', 0) > 0  # quartet's quantizations, found by name
 
 
