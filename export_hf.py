@@ -23,8 +23,10 @@ How model.py maps onto HF Llama:
 used, in the input's basis. quartet's forward is Y = Q(XH) Q(WH)^T (SPEC 5) with H the
 orthogonal, symmetric block Hadamard matrix, so Y = [deq Q(XH) H^T] [deq Q(WH) H^T]^T and W's
 part is deq(Q(WH)) H^T = hadamard(deq(Q(WH))). nvfp4 and quartet2 do not rotate in the
-forward: deq(Q(W)), with their 16x16 tiles or four-over-six scales and tensor scale. The
-activations stay unquantized on the HF side.
+forward: deq(Q(W)), with their 16x16 tiles or four-over-six scales and tensor scale. fullstack
+quantizes R = W - L and adds its BF16 rank-r part L (SPEC 8.4): deq(Q(R)) + L. The
+activations stay unquantized on the HF side. Without --fp4-weights, fullstack's L is not
+exported on its own: the master W is L + R already.
 """
 
 import argparse
@@ -59,17 +61,21 @@ def hf_config(args, meta):
 # -----------------------------------------------------------------------------
 # weights
 
-def fp4_forward_weight(w, recipe):
-    """(N, K) weight -> the FP32 weight the recipe's FP4 forward multiplies by (see the top)."""
+def fp4_forward_weight(w, recipe, low=None):
+    """(N, K) weight -> the FP32 weight the recipe's FP4 forward multiplies by (see the top).
+    low: fullstack's L = U_r S_r V_r^T (N, K), or None: the forward quantizes R = W - L and adds
+    L's product in BF16, so its weight is deq(Q(R)) + L."""
     import fp4
     r = fp4.RECIPES[recipe]
     spec = r['w']
     if spec.get('signs') is not None:  # a signed rotation is not its own inverse
         raise SystemExit(f'--fp4-weights: recipe {recipe!r} rotates W with random signs in the '
                          f'forward, which export_hf.py does not undo')
-    wq = fp4.dequantize(fp4.quantize(w.float(), r['fmt'], **spec))  # deq(Q(W H)), still rotated
+    w = w.float() if low is None else w.float() - low
+    wq = fp4.dequantize(fp4.quantize(w, r['fmt'], **spec))  # deq(Q(W H)), still rotated
     n = spec.get('hadamard', 0)
-    return fp4.hadamard(wq, n) if n else wq  # H^T = H, orthogonal: back to the input's basis
+    wq = fp4.hadamard(wq, n) if n else wq  # H^T = H, orthogonal: back to the input's basis
+    return wq if low is None else wq + low
 
 def hf_tensors(state, args, recipe, fp4_weights, path):
     """{HF name: FP32 tensor}. Every entry of the checkpoint's model is used exactly once:
@@ -83,8 +89,12 @@ def hf_tensors(state, args, recipe, fp4_weights, path):
     hs = args['n_embd'] // nh
     in_fp4 = set(fp4_blocks(L, recipe)) if fp4_weights else set()
     def linear(i, name):
-        w = take(f'transformer.h.{i}.{name}.weight')  # (out_features, in_features)
-        return fp4_forward_weight(w, recipe) if i in in_fp4 else w
+        key = f'transformer.h.{i}.{name}'
+        w = take(key + '.weight')  # (out_features, in_features)
+        low = None
+        if key + '.lora_us' in sd:  # fullstack: W = L + R, and W, the master, already holds L
+            low = take(key + '.lora_us') @ take(key + '.lora_v').t()  # (N, r) @ (r, K)
+        return fp4_forward_weight(w, recipe, low) if i in in_fp4 else w
     out = {'model.embed_tokens.weight': take('transformer.wte.weight')}
     for i in range(L):
         p = f'model.layers.{i}.'

@@ -113,6 +113,51 @@ def test_export_fp4_weights(tmp_path):
     with torch.no_grad():
         assert rel_err(m(idx, idx)[0], hf(idx).logits) < 1e-4
 
+@needs_fp4
+def test_fullstack_forward_weight_adds_the_low_rank_part():
+    """fullstack's forward is Q(x) Q(R)^T + x L^T with R = W - L (SPEC 8.4): its exported weight
+    deq(Q(R)) + L reproduces the layer but for L's BF16 product, whose rounding (x, x V_r and
+    the sum: 2^-9 relative each) bounds the tolerance. Quantizing W itself, as for the other
+    recipes, misses by the FP4 error of L's part."""
+    import fp4
+    from test_linear import _fullstack, _spectrum_matrix
+    lin = _fullstack(_spectrum_matrix(256, 128, 0.5 * (1 + torch.arange(128.)) ** -0.5, seed=5), 16)
+    low = lin.lora_us.float() @ lin.lora_v.float().t()
+    x = torch.randn(128, 128, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        y = lin(x)
+    w_eff = export_hf.fp4_forward_weight(lin.weight.detach(), 'fullstack', low)
+    x_eff = fp4.dequantize(fp4.quantize(x, 'nvfp4', **fp4.RECIPES['fullstack']['x']))
+    want = x_eff @ (w_eff - low).T + x @ low.T  # the HF side multiplies x by w_eff
+    tol = 3 * 2 ** -9 * (x @ low.T).abs().max() / want.abs().max()
+    assert rel_err(y, want) < tol, (rel_err(y, want), tol)
+    plain = export_hf.fp4_forward_weight(lin.weight.detach(), 'fullstack')  # deq(Q(W)): L ignored
+    assert rel_err(y, x_eff @ (plain - low).T + x @ low.T) > 10 * tol
+
+@needs_fp4
+@pytest.mark.parametrize('fp4_weights', [False, True])
+def test_export_fullstack_checkpoint(tmp_path, fp4_weights):
+    """A fullstack checkpoint holds L's two BF16 buffers beside each FP4 linear's W. They are
+    used, not refused: the master export is W (which holds L already), --fp4-weights exports
+    deq(Q(W - L)) + L; every block runs fullstack."""
+    import fp4
+    m, _ = checkpoint(tmp_path / 'plain.pt')
+    apply_recipe(m, 'fullstack')
+    assert fp4.refit_lora(m) == 12
+    ckpt = dict(model=m.state_dict(), model_args=asdict(m.config), recipe='fullstack', iter_num=0,
+                meta=dict(encoding='synthetic', vocab_size=300, eot_token=0))
+    assert 'transformer.h.1.attn.qkv.lora_us' in ckpt['model']
+    torch.save(ckpt, tmp_path / 'ckpt.pt')
+    export_hf.main([str(tmp_path / 'ckpt.pt'), str(tmp_path / 'hf'), *(['--fp4-weights'] if fp4_weights else [])])
+    hf = load_hf(tmp_path / 'hf')
+    for i in (0, 2):
+        lin = m.transformer.h[i].mlp.down
+        w = lin.weight.detach()
+        if fp4_weights:
+            w = export_hf.fp4_forward_weight(w, 'fullstack', lin.lora_us.float() @ lin.lora_v.float().t())
+            assert rel_err(w, lin.weight.detach()) > 1e-3
+        assert torch.equal(hf.model.layers[i].mlp.down_proj.weight, w), i
+
 # -----------------------------------------------------------------------------
 # errors and the tokenizer
 
