@@ -87,7 +87,7 @@ def hf_tensors(state, args, recipe, fp4_weights, path):
         return sd.pop(key).float()
     L, nh, nkv = args['n_layer'], args['n_head'], args['n_kv_head']
     hs = args['n_embd'] // nh
-    in_fp4 = set(fp4_blocks(L, recipe)) if fp4_weights else set()
+    in_fp4 = set(fp4_blocks(L, recipe, args.get('end_blocks', 'auto'))) if fp4_weights else set()
     def linear(i, name):
         key = f'transformer.h.{i}.{name}'
         w = take(key + '.weight')  # (out_features, in_features)

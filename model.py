@@ -24,6 +24,9 @@ from attention import attention
 # the block linears' recipe: BF16, an FP4 recipe of fp4.RECIPES, or 'float8', the FP8 baseline a
 # Hopper user would otherwise run (torchao's float8 training, tensorwise scales; pip install torchao)
 RECIPES = ('bf16', 'quartet', 'nvfp4', 'quartet2', 'fullstack', 'float8')
+# the first and last blocks: 'auto' the recipe's rule (fp4_blocks: BF16 under nvfp4, as the
+# others under the recipe), 'bf16' BF16 under every recipe, 'fp4' the recipe's like the rest
+END_BLOCKS = ('auto', 'bf16', 'fp4')
 ATTENTIONS = ('bf16', 'nvfp4')  # attention.py's fmt None / 'nvfp4'; combines with any recipe
 RECOMPUTES = ('none', 'mlp')    # what the backward recomputes instead of keeping (Block.forward)
 
@@ -43,6 +46,7 @@ class GPTConfig:
     norm_eps: float = 1e-5
     lora_rank: int = 0        # fullstack: rank of each block linear's BF16 part (SPEC 8.4);
                               # 0: fp4.lora_rank_for's rule (n_embd / 16), -1: none (ablation)
+    end_blocks: str = 'auto'  # one of END_BLOCKS: the first and last blocks' recipe (fp4_blocks)
     attention: str = 'bf16'   # one of ATTENTIONS
     loss_chunk: int = 0       # > 0: cross-entropy over the lm_head this many tokens at a time
     recompute: str = 'none'   # one of RECOMPUTES: 'mlp' reruns ln_2 -> gate_up -> SwiGLU in the backward
@@ -55,6 +59,8 @@ class GPTConfig:
         assert self.n_embd % self.n_head == 0, 'n_embd must be divisible by n_head'
         assert self.n_head % self.n_kv_head == 0, 'n_head must be a multiple of n_kv_head'
         assert (self.n_embd // self.n_head) % 2 == 0, 'RoPE needs an even head size'
+        if self.end_blocks not in END_BLOCKS:
+            raise ValueError(f"unknown end_blocks {self.end_blocks!r}; choose one of {', '.join(END_BLOCKS)}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTIONS)}")
         if self.attention == 'nvfp4' and (self.n_embd // self.n_head) % 16:
@@ -392,15 +398,18 @@ def chunked_cross_entropy(x, w, targets, chunk):
 # -----------------------------------------------------------------------------
 # FP4 recipes
 
-def fp4_blocks(n_layer, recipe):
+def fp4_blocks(n_layer, recipe, end_blocks='auto'):
     """Indices of the blocks whose linears run in FP4 under a recipe (in FP8 under float8).
     nvfp4 keeps the first and last blocks in BF16 (NVIDIA's recipe, SPEC.md 5: ~15% of
-    the linears stay high precision; training everything in FP4 diverged at 12B)."""
+    the linears stay high precision; training everything in FP4 diverged at 12B); end_blocks
+    'bf16' or 'fp4' sets that for any recipe (to compare recipes at the same coverage)."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+    if end_blocks not in END_BLOCKS:
+        raise ValueError(f"unknown end_blocks {end_blocks!r}; choose one of {', '.join(END_BLOCKS)}")
     if recipe == 'bf16':
         return []
-    if recipe == 'nvfp4':
+    if end_blocks == 'bf16' or (end_blocks == 'auto' and recipe == 'nvfp4'):
         return [i for i in range(n_layer) if i not in (0, n_layer - 1)]
     return list(range(n_layer))
 
@@ -432,7 +441,7 @@ def apply_recipe(model, recipe):
     """Swap the block linears (qkv, o, gate_up, down) for fp4.FP4Linear, in place, or for
     torchao's Float8Linear under 'float8' (to_float8). Embeddings and lm_head are never touched.
     'bf16' leaves plain nn.Linear (autocast runs them in BF16), so the model works without fp4.py."""
-    blocks = fp4_blocks(model.config.n_layer, recipe)
+    blocks = fp4_blocks(model.config.n_layer, recipe, model.config.end_blocks)
     if recipe == 'float8':
         return to_float8(model, blocks=[model.transformer.h[i] for i in blocks])
     if blocks:

@@ -108,10 +108,24 @@ def test_export_fp4_weights(tmp_path):
                 lin.weight.data = export_hf.fp4_forward_weight(lin.weight.data, 'nvfp4')
     q = hf.model.layers[1].self_attn.q_proj.weight
     assert torch.equal(q, m.transformer.h[1].attn.qkv.weight[:128])
+    assert not torch.equal(q, ckpt['model']['transformer.h.1.attn.qkv.weight'][:128])
     assert torch.equal(hf.model.layers[0].mlp.up_proj.weight, m.transformer.h[0].mlp.gate_up.weight[512:])
     idx = torch.randint(0, 384, (2, 32), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert rel_err(m(idx, idx)[0], hf(idx).logits) < 1e-4
+
+@needs_fp4
+def test_export_fp4_weights_follows_end_blocks(tmp_path):
+    """A quartet checkpoint trained with end_blocks='bf16': its first and last blocks were BF16,
+    so --fp4-weights exports their masters and the FP4 weights of the others only."""
+    m, ckpt = checkpoint(tmp_path / 'ckpt.pt', recipe='quartet', n_layer=4, end_blocks='bf16')
+    assert ckpt['model_args']['end_blocks'] == 'bf16'
+    export_hf.main([str(tmp_path / 'ckpt.pt'), str(tmp_path / 'hf'), '--fp4-weights'])
+    hf = load_hf(tmp_path / 'hf')
+    for i in range(4):
+        w = m.transformer.h[i].mlp.down.weight.detach()
+        got = hf.model.layers[i].mlp.down_proj.weight
+        assert torch.equal(got, w if i in (0, 3) else export_hf.fp4_forward_weight(w, 'quartet')), i
 
 @needs_fp4
 def test_fullstack_forward_weight_adds_the_low_rank_part():

@@ -176,6 +176,26 @@ def test_apply_recipe_placement(recipe, monkeypatch):
     with pytest.raises(ValueError, match='unknown recipe'):
         apply_recipe(m, 'fp3')
 
+
+@pytest.mark.parametrize('recipe', ['bf16', 'quartet', 'nvfp4'])
+def test_end_blocks_sets_the_coverage(recipe, monkeypatch):
+    """end_blocks 'bf16' keeps the first and last blocks out of any recipe, 'fp4' puts them
+    in any (nvfp4 too), 'auto' is the recipe's rule; a resumed run keeps its checkpoint's."""
+    seen = []
+    stub = type(sys)('fp4')
+    stub.to_fp4 = lambda module, recipe, skip=None: seen.append(module) or module
+    monkeypatch.setitem(sys.modules, 'fp4', stub)
+    for ends, want in (('bf16', [1, 2]), ('fp4', [0, 1, 2, 3]), ('auto', [1, 2] if recipe == 'nvfp4' else [0, 1, 2, 3])):
+        seen.clear()
+        m = apply_recipe(GPT(config_for('tiny', n_layer=4, vocab_size=256, block_size=16, end_blocks=ends)), recipe)
+        assert seen == ([] if recipe == 'bf16' else [m.transformer.h[i] for i in want]), ends
+        assert fp4_blocks(4, recipe, ends) == ([] if recipe == 'bf16' else want)
+    with pytest.raises(ValueError, match="unknown end_blocks 'none'; choose one of auto, bf16, fp4"):
+        config_for('tiny', end_blocks='none')
+    with pytest.raises(ValueError, match="unknown end_blocks"):
+        fp4_blocks(4, recipe, 'both')
+    assert 'end_blocks' in train.IDENTITY_KEYS
+
 @needs_fp4
 @pytest.mark.parametrize('recipe', ['quartet', 'nvfp4', 'quartet2', 'fullstack'])
 def test_apply_recipe_real(recipe):
@@ -386,6 +406,10 @@ def test_split_eval_and_compile_mode_errors(corpus, tmp_path):
     with pytest.raises(SystemExit, match='eval_split_tokens=100: less than one batch'):
         run(corpus, tmp_path, '--recipe=bf16', '--max_iters=2', '--eval_split_tokens=100')
     assert not (tmp_path / 'ckpt.pt').exists()  # stopped before training
+
+def test_end_blocks_error(corpus, tmp_path):
+    with pytest.raises(configurator.ConfigError, match="unknown end_blocks 'first'; choose one of auto, bf16, fp4"):
+        run(corpus, tmp_path, '--end_blocks=first')
 
 def test_cuda_graph_errors(corpus, tmp_path):
     with pytest.raises(configurator.ConfigError, match="cuda_graph=True needs a CUDA device, got device='cpu'"):

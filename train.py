@@ -37,7 +37,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
 import optim
-from model import ATTENTIONS, GPT, GPTConfig, RECIPES, RECOMPUTES, SIZES, apply_recipe, config_for, gemm_multiple
+from model import (ATTENTIONS, END_BLOCKS, GPT, GPTConfig, RECIPES, RECOMPUTES, SIZES, apply_recipe, config_for,
+                   fp4_blocks, gemm_multiple)
 
 # -----------------------------------------------------------------------------
 # config: every global here can be overridden by config/*.py and --key=value
@@ -58,6 +59,7 @@ n_kv_head = 0             # 0: as many kv heads as query heads; fewer: GQA
 recipe = 'quartet'        # one of model.RECIPES
 lora_rank = 0             # fullstack: rank of the BF16 part; 0: the default rule, -1: none
 lora_refit_interval = 4000  # fullstack: refit L by randomized SVD every this many steps (and at 0)
+end_blocks = 'auto'       # one of model.END_BLOCKS: 'bf16' keeps the first and last blocks in BF16 (nvfp4's rule), 'fp4' runs them FP4 too
 attention = 'bf16'        # one of model.ATTENTIONS: 'nvfp4' is FP4 attention (attention.py), any recipe
 loss_chunk = 0            # > 0: cross-entropy over the lm_head this many tokens at a time (the logits never whole)
 recompute = 'none'        # one of model.RECOMPUTES: 'mlp' reruns ln_2 -> gate_up -> SwiGLU in the backward (less memory)
@@ -126,6 +128,8 @@ def check_config():
                                        "installed: pip install torchao")
     if attention not in ATTENTIONS:
         raise configurator.ConfigError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
+    if end_blocks not in END_BLOCKS:
+        raise configurator.ConfigError(f"unknown end_blocks {end_blocks!r}; choose one of {', '.join(END_BLOCKS)}")
     if model_size not in SIZES:
         raise configurator.ConfigError(f"unknown model_size {model_size!r}; "
                                        f"choose one of {', '.join(SIZES)}")
@@ -487,7 +491,7 @@ RESUME_KEYS = ('optimizer', 'iter_num', 'rng', 'history')
 # what a resumed run keeps from its checkpoint: the recipe, the model's shape, the optimizer
 MEMORY_KEYS = ('loss_chunk', 'recompute')  # model_args a resumed run may change (same loss, less memory)
 IDENTITY_KEYS = ('recipe', 'model_size', 'block_size', 'n_kv_head', 'optimizer', 'optimizer_states',
-                 'attention', 'lora_rank')
+                 'attention', 'lora_rank', 'end_blocks')
 
 def read_checkpoint(path):
     """torch.load, refusing a missing, unreadable (truncated, corrupt) or foreign file with a
@@ -830,7 +834,7 @@ def init_run(rank, data_meta):
     else:
         vocab = 128 * math.ceil(data_meta['vocab_size'] / 128)  # pad: GEMM-friendly
         model_args = asdict(config_for(model_size, vocab_size=vocab, block_size=block_size,
-                                       n_kv_head=n_kv_head, lora_rank=lora_rank,
+                                       n_kv_head=n_kv_head, lora_rank=lora_rank, end_blocks=end_blocks,
                                        attention=attention, loss_chunk=loss_chunk, recompute=recompute))
     model = build_model(model_args)
     if ckpt:
@@ -949,7 +953,8 @@ def main(argv=None):
         split_batches(len(data['val']), world)  # fail now, not after the run
     raw_model, model_args, optimizer, iter_num, history = init_run(rank, meta)
     log(f"model {model_size} {model_args}: {raw_model.get_num_params() / 1e6:.2f}M non-embedding, "
-        f"{raw_model.get_num_params(False) / 1e6:.2f}M total parameters; recipe {recipe}, optimizer {config['optimizer']}")
+        f"{raw_model.get_num_params(False) / 1e6:.2f}M total parameters; recipe {recipe} "
+        f"(blocks {fp4_blocks(raw_model.config.n_layer, recipe, raw_model.config.end_blocks)}), optimizer {config['optimizer']}")
     model = torch.compile(raw_model, mode=compile_mode) if compile else raw_model
     if cuda_graph and world > 1:
         raise configurator.ConfigError(f'cuda_graph=True runs one process; this run has {world} (DDP/FSDP)')
