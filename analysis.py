@@ -15,7 +15,7 @@ import statistics
 
 import numpy as np
 
-from model import RECIPES
+from model import RECIPES, SIZES, fp4_blocks
 from study import load_records, tokens_label, write_json
 
 REFERENCE = 'bf16'  # every gap is against this recipe (under the same optimizer, see reference_of)
@@ -266,6 +266,7 @@ def gap_rows(records):
             any_run = next(iter(runs.values()))
             ref = reference_of(group, groups)
             row = dict(size=size, tokens=tokens, group=group, ref=ref, seeds=sorted(losses), n_params=any_run['n_params'],
+                       fp4_blocks=low_precision_blocks(any_run),
                        diverged=sorted(s for s, r in runs.items() if r['status'] == 'diverged'),
                        tokens_per_param=tokens / any_run['n_params'], epochs=any_run['epochs'],
                        mean=statistics.fmean(losses.values()) if losses else math.nan,
@@ -286,6 +287,14 @@ def gap_rows(records):
                 row['twin'], row['vs_twin'] = twin, paired_gap(val_losses(groups[twin], key), losses)
             rows.append(row)
     return rows
+
+def low_precision_blocks(run):
+    """'k/L': how many of the model's L blocks ran their linears in FP4 (FP8 under float8), by
+    model.fp4_blocks: nvfp4 keeps the first and last in BF16 unless --end_blocks says otherwise,
+    so recipes compared at one size may differ in coverage, which the table shows."""
+    cfg = run.get('train_config') or {}
+    n_layer = SIZES[run['model_size']]['n_layer']
+    return f"{len(fp4_blocks(n_layer, run['recipe'], cfg.get('end_blocks', 'auto')))}/{n_layer}"
 
 WHOLE = 'full'  # the variant naming a recipe with all its parts (fullstack+full); its ablations compare with it
 
@@ -348,8 +357,8 @@ def fmt_eval(row):
     return 'whole split' if row['eval'] == 'split' else f"per-seed batches, SE {row['eval_se']:.4f}"
 
 def gap_table(rows):
-    lines = ['| size | tokens | tokens/param | recipe | seeds | val loss (mean ± sd) | gap (paired) '
-             '| 95% interval | eval | tokens/s |', '|' + '---|' * 10]
+    lines = ['| size | tokens | tokens/param | recipe | FP4 blocks | seeds | val loss (mean ± sd) | gap (paired) '
+             '| 95% interval | eval | tokens/s |', '|' + '---|' * 11]
     for r in rows:
         gap, interval = fmt_gap(r.get('gap'))
         if r.get('gap'):
@@ -357,7 +366,7 @@ def gap_table(rows):
         sd = f" ± {r['sd']:.4f}" if np.isfinite(r['sd']) else ''
         seeds = f"{len(r['seeds'])}" + (f" (+{len(r['diverged'])} diverged)" if r['diverged'] else '')
         lines.append(f"| {r['size']} | {tokens_label(r['tokens'])} | {r['tokens_per_param']:.3g} "
-                     f"| {r['group']} | {seeds} | {r['mean']:.4f}{sd} | {gap} | {interval} "
+                     f"| {r['group']} | {r['fp4_blocks']} | {seeds} | {r['mean']:.4f}{sd} | {gap} | {interval} "
                      f"| {fmt_eval(r)} | {r['tokens_per_s']:,.0f} |")
     return '\n'.join(lines)
 

@@ -179,6 +179,27 @@ def test_fp4_recipe_with_its_own_optimizer_is_compared_to_bf16_under_that_optimi
     assert next(r for r in rows if r['group'] == 'fullstack+full')['ref'] == 'bf16'
 
 
+def test_the_table_shows_each_recipe_s_fp4_coverage(tmp_path):
+    """nvfp4 keeps the first and last of 30m's 6 blocks in BF16, unless the run's train_config
+    says end_blocks='fp4'; quartet runs all 6, or 4 with end_blocks='bf16'; bf16 none."""
+    runs = {('bf16', '', None): 4.0, ('nvfp4', '', None): 4.1, ('nvfp4', 'ends_fp4', 'fp4'): 4.2,
+            ('quartet', '', None): 4.3, ('quartet', 'ends_bf16', 'bf16'): 4.2}
+    for (recipe, variant, ends), L in runs.items():
+        run = study.Run('30m', 13e6, recipe, 0, variant)
+        cfg = dict(recipe=recipe, model_size='30m', **({'end_blocks': ends} if ends else {}))
+        study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+            id=run.id, group=f'{recipe}+{variant}' if variant else recipe, recipe=recipe, variant=variant,
+            flags=[f'--end_blocks={ends}'] if ends else [], seed=0, model_size='30m', tokens=13e6, n_params=30e6,
+            epochs=0.1, status='ok', val_loss=L, val_loss_se=0.01, tokens_per_s=1e5, git_commit='abc',
+            train_config=cfg, corpus=dict(train_sha1='f00'),
+            curve=dict(train_loss=[8.0, L], val_steps=[0, 10], val_loss=[8.0, L])))
+    rows, _ = analysis.report(str(tmp_path), n_boot=10, log=lambda m: None)
+    assert {r['group']: r['fp4_blocks'] for r in rows} == {
+        'bf16': '0/6', 'nvfp4': '4/6', 'nvfp4+ends_fp4': '6/6', 'quartet': '6/6', 'quartet+ends_bf16': '4/6'}
+    md = (tmp_path / 'report.md').read_text()
+    assert '| recipe | FP4 blocks | seeds |' in md and '| nvfp4+ends_fp4 | 6/6 | 1 |' in md
+
+
 def test_curve_gaps_pair_each_eval_by_seed(tmp_path):
     """quartet against bf16 at every shared eval after step 0, per seed; bf16 variants get none."""
     curves = {('bf16', 0): [8.0, 5.0, 4.0], ('bf16', 1): [8.0, 5.2, 4.2],
