@@ -293,6 +293,8 @@ def low_precision_blocks(run):
     model.fp4_blocks: nvfp4 keeps the first and last in BF16 unless --end_blocks says otherwise,
     so recipes compared at one size may differ in coverage, which the table shows."""
     cfg = run.get('train_config') or {}
+    if run['model_size'] not in SIZES or run['recipe'] not in RECIPES:  # a record of an older code
+        return '?'
     n_layer = SIZES[run['model_size']]['n_layer']
     return f"{len(fp4_blocks(n_layer, run['recipe'], cfg.get('end_blocks', 'auto')))}/{n_layer}"
 
