@@ -198,6 +198,8 @@ def test_the_table_shows_each_recipe_s_fp4_coverage(tmp_path):
         'bf16': '0/6', 'nvfp4': '4/6', 'nvfp4+ends_fp4': '6/6', 'quartet': '6/6', 'quartet+ends_bf16': '4/6'}
     md = (tmp_path / 'report.md').read_text()
     assert '| recipe | FP4 blocks | seeds |' in md and '| nvfp4+ends_fp4 | 6/6 | 1 |' in md
+    assert analysis.low_precision_blocks(dict(model_size='30m', recipe='fp3')) == '?'  # a retired recipe
+    assert analysis.low_precision_blocks(dict(model_size='7b', recipe='nvfp4')) == '?'
 
 
 def test_curve_gaps_pair_each_eval_by_seed(tmp_path):
