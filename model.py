@@ -24,8 +24,8 @@ from attention import attention
 # the block linears' recipe: BF16, an FP4 recipe of fp4.RECIPES, or 'float8', the FP8 baseline a
 # Hopper user would otherwise run (torchao's float8 training, tensorwise scales; pip install torchao)
 RECIPES = ('bf16', 'quartet', 'nvfp4', 'quartet2', 'fullstack', 'float8')
-# the first and last blocks: 'auto' the recipe's rule (fp4_blocks: BF16 under nvfp4, as the
-# others under the recipe), 'bf16' BF16 under every recipe, 'fp4' the recipe's like the rest
+# the first and last blocks' linears: 'auto' the recipe's rule (fp4_blocks: BF16 under nvfp4,
+# the recipe's own under the others), 'bf16' BF16 under every recipe, 'fp4' the recipe's everywhere
 END_BLOCKS = ('auto', 'bf16', 'fp4')
 ATTENTIONS = ('bf16', 'nvfp4')  # attention.py's fmt None / 'nvfp4'; combines with any recipe
 RECOMPUTES = ('none', 'mlp')    # what the backward recomputes instead of keeping (Block.forward)
