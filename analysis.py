@@ -23,6 +23,7 @@ REFERENCE = 'bf16'  # every gap is against this recipe (under the same optimizer
 # MXFP4 (Quartet, arXiv 2505.14669); the published gaps a user compares with
 QUARTET_LAW = dict(A=127444.7, a=0.5785, B=465834.3, b=0.5389, E=1.3408, g=0.2764)
 QUARTET_EFF = {'quartet': (0.658, 0.822)}
+LOG_EFF_BOUND = math.log(1e3)  # fitted effN, effD lie in [1e-3, 1e3] (analysis.bounded)
 PUBLISHED = ('Quartet: +2.6% to +2.9% val loss over BF16 at 100 tokens/param (200M-800M, C4); '
              'Full-Stack FP4: +0.84% to +1.47% (3B, 64B tokens)')
 
@@ -145,8 +146,8 @@ def fit_law(cells, ref=REFERENCE, exponents='quartet', start=None):
             p.update(a=math.exp(theta[3]), b=math.exp(theta[4]), g=math.exp(theta[5]))
         else:
             p.update(a=QUARTET_LAW['a'], b=QUARTET_LAW['b'], g=QUARTET_LAW['g'])
-        log_eff = np.concatenate([[0.0, 0.0], theta[k:]]).reshape(-1, 2)  # row 0: the reference
-        return p, np.exp(log_eff[row])                                     # (cells, 2)
+        log_eff = np.concatenate([[0.0, 0.0], bounded(theta[k:])]).reshape(-1, 2)  # row 0: the reference
+        return p, np.exp(log_eff[row])                                               # (cells, 2)
 
     def residual(theta):
         p, eff = unpack(theta)
@@ -164,11 +165,37 @@ def fit_law(cells, ref=REFERENCE, exponents='quartet', start=None):
         se = np.sqrt(np.diag(r @ r / dof * np.linalg.pinv(J.T @ J)))
     p, _ = unpack(theta)
     # effN = exp(theta): its standard error is effN * se(theta) (delta method)
-    eff = {g: (math.exp(theta[k + 2 * i]), math.exp(theta[k + 2 * i + 1])) for i, g in enumerate(groups)}
+    log_eff = bounded(theta[k:])
+    eff = {g: (math.exp(log_eff[2 * i]), math.exp(log_eff[2 * i + 1])) for i, g in enumerate(groups)}
+    at_bound = sorted(g for i, g in enumerate(groups) if np.any(np.abs(log_eff[2 * i:2 * i + 2]) >= LOG_EFF_BOUND))
     eff_se = {g: (eff[g][0] * se[k + 2 * i], eff[g][1] * se[k + 2 * i + 1]) for i, g in enumerate(groups)}
     exp_se = {n: p[n] * se[j] for j, n in ((3, 'a'), (4, 'b'), (5, 'g'))} if k == 6 else {}
+    ref_n, ref_d = N[row == 0], D[row == 0]
     return dict(params=p, eff=eff, eff_se=eff_se, exponent_se=exp_se, exponents=exponents,
-                rms=float(np.sqrt(np.mean(r ** 2))), n=len(L), dof=dof, theta=theta)
+                rms=float(np.sqrt(np.mean(r ** 2))), n=len(L), dof=dof, theta=theta,
+                problems=law_problems(p, ref_n, ref_d, at_bound))
+
+def bounded(log_eff):
+    """log effN, log effD within +-LOG_EFF_BOUND: where the data leave a factor free, the fit
+    would push it without end (its term to 0) and overflow; at the bound it is flagged instead."""
+    return np.clip(np.asarray(log_eff, dtype=np.float64), -LOG_EFF_BOUND, LOG_EFF_BOUND)
+
+def law_problems(p, N, D, at_bound=()):
+    """Why fitted parameters p do not describe the reference cells (N, D), [] when nothing is
+    wrong: E < 0 (cross-entropy cannot fall below zero); a term, A / N^a or B / D^b, below 0.1% of
+    the other at every cell (the loss then depends on N or on D alone: the fit dropped a dimension
+    of the law rather than fitted it); an effN or effD at its bound (the data do not pin it)."""
+    out = []
+    if p['E'] < 0:
+        out.append(f"E = {p['E']:.3f} < 0, a loss below zero")
+    t_n, t_d = p['A'] / N ** p['a'], p['B'] / D ** p['b']
+    for name, mine, other, alone in (('A / N^a', t_n, t_d, 'D'), ('B / D^b', t_d, t_n, 'N')):
+        if np.all(mine < 1e-3 * other):
+            out.append(f'the term {name} is below 0.1% of the other at every cell (a loss of {alone} alone)')
+    if at_bound:
+        out.append(f"effN or effD of {', '.join(at_bound)} at the fit's bound ({math.exp(LOG_EFF_BOUND):g} "
+                   f"or 1/{math.exp(LOG_EFF_BOUND):g}): not pinned by the data")
+    return out
 
 def fit_auto(cells, ref=REFERENCE, max_rel_se=0.3):
     """Free exponents where the data pins them (>= 3 sizes and >= 3 budgets of the reference,
@@ -386,21 +413,39 @@ def law_section(records, exponents='auto', n_boot=200):
     if sizes < 3 or budgets < 2:
         return (f'Law fit: not yet; it needs {REFERENCE} runs at >= 3 sizes x >= 2 token budgets, '
                 f'there are {sizes} x {budgets}.'), None
-    count = {}
-    for g, _, _ in seed_losses:
-        count[g] = count.get(g, 0) + 1
-    seed_losses = {k: v for k, v in seed_losses.items() if count[k[0]] >= 2}  # 2 unknowns a group
+    spans = {}  # group: (its sizes, its budgets)
+    for g, n, d in seed_losses:
+        spans.setdefault(g, (set(), set()))
+        spans[g][0].add(n)
+        spans[g][1].add(d)
+    # effN and effD separate only where a group's runs vary both N and D: at one size, two
+    # budgets give two equations that another (effN, effD) pair can meet as well, or none can
+    unfit = sorted(g for g, (ns, ds) in spans.items() if g != REFERENCE and (len(ns) < 2 or len(ds) < 2))
+    seed_losses = {k: v for k, v in seed_losses.items() if k[0] not in unfit}
     cells = [(g, n, d, statistics.fmean(v.values())) for (g, n, d), v in seed_losses.items()]
     fit = fit_auto(cells) if exponents == 'auto' else fit_law(cells, exponents=exponents)
     if exponents != 'auto':
         fit['note'] = f'exponents: {exponents}'
-    boot = bootstrap_eff(seed_losses, REFERENCE, fit['exponents'], fit['theta'], n_boot)
     p = fit['params']
     lines = [f"Law fit over {fit['n']} cells (mean val loss over seeds): {fit['note']}. "
              f"A = {p['A']:.4g}, a = {p['a']:.4f}, B = {p['B']:.4g}, b = {p['b']:.4f}, "
-             f"g = {p['g']:.4f}, E = {p['E']:.4f}; rms residual {fit['rms']:.4f} nats.", '',
-             '| recipe | effN ± SE (fit) | 95% (bootstrap over seeds) | effD ± SE (fit) '
-             '| 95% (bootstrap over seeds) | Quartet (effN, effD) |', '|---|---|---|---|---|---|']
+             f"g = {p['g']:.4f}, E = {p['E']:.4f}; rms residual {fit['rms']:.4f} nats."]
+    if unfit:
+        by_span = {}
+        for g in group_order(unfit):
+            by_span.setdefault((len(spans[g][0]), len(spans[g][1])), []).append(g)
+        which = '; '.join(f"at {n} size{'s' * (n > 1)} x {d} budget{'s' * (d > 1)}: {', '.join(gs)}"
+                          for (n, d), gs in sorted(by_span.items(), reverse=True))
+        lines.append(f"No effN, effD (telling them apart needs a recipe's runs at >= 2 sizes and >= 2 "
+                     f"token budgets) for the runs {which}.")
+    if fit['problems']:
+        lines.append(f"**This fit does not describe the runs**: {'; '.join(fit['problems'])}. "
+                     f"No effN, effD are read from it.")
+        fit['bootstrap'] = {}
+        return '\n'.join(lines), fit
+    boot = bootstrap_eff(seed_losses, REFERENCE, fit['exponents'], fit['theta'], n_boot)
+    lines += ['', '| recipe | effN ± SE (fit) | 95% (bootstrap over seeds) | effD ± SE (fit) '
+              '| 95% (bootstrap over seeds) | Quartet (effN, effD) |', '|---|---|---|---|---|---|']
     for g in group_order(fit['eff']):
         (en, ed), (sn, sd), b = fit['eff'][g], fit['eff_se'][g], boot.get(g)
         ci = [f'[{lo:.3f}, {hi:.3f}]' for lo, hi in b] if b else ['one seed: none'] * 2
@@ -521,7 +566,7 @@ def report(directory, exponents='auto', n_boot=200, log=print):
         name = f'curves_{size}_{tokens_label(tokens)}.png'
         plot_cell(size, tokens, groups, os.path.join(directory, name))
         pngs.append(name)
-    if fit:
+    if fit and not fit['problems']:
         plot_law(fit, records, os.path.join(directory, 'law.png'))
         pngs.append('law.png')
     noise = [f"{r['size']} {tokens_label(r['tokens'])}: seed sd {r['sd']:.4f} ({fmt_eval(r)}"
