@@ -242,22 +242,30 @@ def corpus(cfg):
     return {k: meta.get(k) for k in ('source', 'train_tokens', 'val_tokens', 'train_sha1', 'max_tokens')}
 
 def estimate_s(run, cfg, records, directory, jobs=1):
-    """Projected wall seconds of a run, for the budget: the median tokens/s and fixed cost
-    (compile, evals) of finished runs of the same size and recipe (and variant, where there are
-    such runs: a variant can train at another speed; else runs of the same train config under
-    another name) run `jobs` at a time; else
-    of any such runs, or of the 30M train.py runs beside the study (results/<gpu>/
-    train_30m_<recipe>.json, eager, 16K-token steps; the slowest of them for a recipe without
-    one) scaled by FLOPs a token, plus 120 s, times jobs (sharing the GPU assumed to gain nothing)."""
+    """Projected wall seconds of a run, for the budget. From finished runs of the same recipe
+    (and variant, where there are such runs: a variant can train at another speed; else runs of
+    the same train config under another name; else any of the recipe's), those that ran alone on
+    the GPU where there are any (gpu_processes 1): the fastest tokens/s (other processes sharing the
+    GPU only ever slow a run) and the median fixed cost (compile, evals). Runs of the same size first, run `jobs` at a time;
+    else of another size, scaled by FLOPs a token; else the 30M train.py runs beside the study
+    (results/<gpu>/train_30m_<recipe>.json, eager, 16K-token steps; the slowest of them for a
+    recipe without one) scaled by FLOPs a token, plus 120 s. Times jobs where the records ran
+    alone (sharing the GPU assumed to gain nothing)."""
     tokens = cfg['max_iters'] * step_tokens(cfg)
-    same = [r for r in records.values() if r['status'] == 'ok' and r['model_size'] == run.size
-            and r['recipe'] == run.recipe and r['tokens_per_s']]
-    same = ([r for r in same if r.get('group') == run.group]  # a variant's own runs first, then runs
-            or [r for r in same if _same_speed(r.get('train_config', {}), cfg)] or same)  # of the same config
+
+    def flops(size):
+        return flops_per_token(size, cfg['block_size'])
+
+    mine = [r for r in records.values() if r['status'] == 'ok' and r['recipe'] == run.recipe and r['tokens_per_s']]
+    mine = ([r for r in mine if r.get('group') == run.group]  # a variant's own runs first, then runs
+            or [r for r in mine if _same_speed(r.get('train_config', {}), cfg)] or mine)  # of the same config
+    alone = [r for r in mine if r.get('gpu_processes') == 1]  # tokens/s measured with the GPU to itself
+    mine = alone or mine
+    same = [r for r in mine if r['model_size'] == run.size]
     same_jobs = [r for r in same if r.get('jobs', 1) == jobs]
-    if same_jobs or same:
-        rs = same_jobs or same
-        tps = statistics.median(r['tokens_per_s'] for r in rs)
+    if same_jobs or same or mine:
+        rs = same_jobs or same or mine
+        tps = max(r['tokens_per_s'] * flops(r['model_size']) / flops(run.size) for r in rs)
         fixed = statistics.median(max(0.0, r['wall_s'] - r['tokens'] / r['tokens_per_s']) for r in rs)
         return (fixed + tokens / tps) * (1 if same_jobs else jobs)
     measured = {}
@@ -267,8 +275,7 @@ def estimate_s(run, cfg, records, directory, jobs=1):
             with open(path) as f:
                 measured[recipe] = json.load(f)['tokens_per_s']
     tps30 = measured.get(run.recipe, min(measured.values(), default=1e5))
-    scale = flops_per_token(run.size, cfg['block_size']) / flops_per_token('30m', cfg['block_size'])
-    return (120.0 + tokens / (tps30 / scale)) * jobs
+    return (120.0 + tokens / (tps30 * flops('30m') / flops(run.size))) * jobs
 
 # train.py settings that do not change a step's speed (or that old records lack: compile_mode)
 NOT_SPEED = ('seed', 'max_iters', 'eval_interval', 'eval_iters', 'log_interval', 'eval_split_tokens', 'compile_mode')
@@ -299,6 +306,18 @@ def start(run, cfg, inprocess):
         return subprocess.Popen([sys.executable, os.path.join(HERE, 'train.py'), *train_argv(cfg)],
                                 cwd=HERE, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED='1'))
+
+def gpu_processes():
+    """How many processes hold a CUDA context on this machine's GPUs now (nvidia-smi's compute
+    apps: study runs, tests, benchmarks alike); None where nvidia-smi cannot say (no GPU)."""
+    try:
+        out = subprocess.run(['nvidia-smi', '--query-compute-apps=pid', '--format=csv,noheader'],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return len([line for line in out.stdout.splitlines() if line.strip()]) if out.returncode == 0 else None
+
+SHARING_POLL_S = 30  # how often run_study counts the GPU's processes for each running run
 
 def stop(proc):
     try:
@@ -353,8 +372,9 @@ def run_study(runs, directory, base_flags=(), settings=SETTINGS, jobs=1, budget_
     """Run what is not done yet, up to jobs at a time; never start a run whose projected time
     (estimate_s, sharing the GPU with the runs going) does not fit in what is left of budget_s:
     wait for a running one to finish first, and skip it if it does not fit alone. Stop the ones
-    still going when the budget runs out. A record's 'jobs' is how many shared the GPU at its start.
-    Returns (the new records, the runs left undone: failed, skipped or stopped)."""
+    still going when the budget runs out. A record's 'jobs' is how many of this study's runs shared
+    the GPU at its start; its 'gpu_processes' the most processes (anyone's) seen on the GPU while it
+    ran, counted every SHARING_POLL_S (None without nvidia-smi): 1 = it ran alone. Returns (the new records, the runs left undone: failed, skipped or stopped)."""
     t0 = time.time()
     configs = [train_config(r, base_flags, settings, work_dir) for r in runs]
     records = load_records(directory)
@@ -372,6 +392,7 @@ def run_study(runs, directory, base_flags=(), settings=SETTINGS, jobs=1, budget_
     for path, c in corpora.items():
         log(f"corpus {path}: {c['train_tokens']:,} train tokens ({c['source']})")
     new, left, running = [], [], []
+    polled = -math.inf
 
     def left_s():
         return math.inf if budget_s is None else budget_s - (time.time() - t0)
@@ -396,6 +417,11 @@ def run_study(runs, directory, base_flags=(), settings=SETTINGS, jobs=1, budget_
                     'data/pycode/prepare.py --max_tokens=... makes a larger one where the machine has it')
             log(f'start {run.id} (projected {est / 60:.1f} min): train.py {" ".join(train_argv(cfg))}')
             running.append((run, cfg, context, start(run, cfg, inprocess), time.time()))
+        if running and not inprocess and time.time() - polled >= SHARING_POLL_S:
+            polled, n = time.time(), gpu_processes()
+            for _, _, context, _, _ in running:
+                seen = context.get('gpu_processes')
+                context['gpu_processes'] = n if seen is None else max(seen, n or 0)
         for item in list(running):
             run, cfg, context, proc, t_start = item
             rc = proc if isinstance(proc, int) else proc.poll()
@@ -417,7 +443,8 @@ def run_study(runs, directory, base_flags=(), settings=SETTINGS, jobs=1, budget_
             records[run.id] = rec
             new.append(rec)
             log(f"done {run.id}: {rec['status']}, val loss {rec['val_loss']}, "
-                f"{rec['tokens_per_s'] or 0:,.0f} tok/s, {rec['wall_s'] / 60:.1f} min")
+                f"{rec['tokens_per_s'] or 0:,.0f} tok/s, {rec['wall_s'] / 60:.1f} min, "
+                f"{rec.get('gpu_processes')} process(es) on the GPU at most")
             if bundle:
                 write_bundle(directory, bundle)
         if running:

@@ -8,6 +8,7 @@ $ python -m pytest test_study.py -q
 
 import json
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -176,8 +177,21 @@ def test_estimate_from_finished_runs(tmp_path):
     done['b']['train_config'] = {k: v for k, v in study.train_config(slow).items() if k != 'out_dir'}
     renamed = study.grid(['quartet'], [1], ['30m'], [25e6], variant='root_fp4_new', flags=('--optimizer=root_fp4',))[0]
     assert study.estimate_s(renamed, study.train_config(renamed), done, str(tmp_path)) == pytest.approx(100 + tokens / 2.5e4)
+    # a config no run has: the recipe's fastest run (sharing the GPU only slows a run down)
     other = study.grid(['quartet'], [0], ['30m'], [25e6], variant='muon', flags=('--optimizer=muon',))[0]
-    assert study.estimate_s(other, study.train_config(other), done, str(tmp_path)) == pytest.approx(100 + tokens / 6.25e4)
+    assert study.estimate_s(other, study.train_config(other), done, str(tmp_path)) == pytest.approx(100 + tokens / 1e5)
+    # of two runs of one config, the faster (the other shared the GPU): tokens/s is a bound from below
+    done['c'] = dict(done['a'], tokens_per_s=5e4, wall_s=1100.0)  # 1000 s training + 100 s fixed
+    assert study.estimate_s(run, cfg, done, str(tmp_path)) == pytest.approx(100 + tokens / 1e5)
+    # a run that had the GPU to itself before faster-looking ones of unknown sharing
+    alone = {'a': done['a'], 'd': dict(done['a'], tokens_per_s=8e4, wall_s=725.0, gpu_processes=1)}
+    assert study.estimate_s(run, cfg, alone, str(tmp_path)) == pytest.approx(100 + tokens / 8e4)
+    # a size the recipe has not run: its runs at 30m scaled by FLOPs a token
+    big = study.grid(['quartet'], [0], ['100m'], [25e6])[0]
+    ratio = study.flops_per_token('100m', 512) / study.flops_per_token('30m', 512)
+    assert 2 < ratio < 4
+    assert study.estimate_s(big, study.train_config(big), {'a': done['a']}, str(tmp_path)) == pytest.approx(
+        100 + tokens / (1e5 / ratio))
     # no study run yet: train.py's 30M result beside the study directory, plus 120 s
     with open(tmp_path / 'train_30m_quartet.json', 'w') as f:
         json.dump(dict(tokens_per_s=2e5), f)
@@ -185,6 +199,21 @@ def test_estimate_from_finished_runs(tmp_path):
 
 # -----------------------------------------------------------------------------
 # real runs of train.py on a synthetic corpus
+
+def test_gpu_processes_counts_nvidia_smi_lines(monkeypatch):
+    def fake(lines, rc=0):
+        return lambda *a, **k: subprocess.CompletedProcess(a, rc, stdout=lines, stderr='')
+    monkeypatch.setattr(study.subprocess, 'run', fake('1234\n5678\n'))
+    assert study.gpu_processes() == 2
+    monkeypatch.setattr(study.subprocess, 'run', fake(''))
+    assert study.gpu_processes() == 0
+    monkeypatch.setattr(study.subprocess, 'run', fake('', rc=9))  # no driver
+    assert study.gpu_processes() is None
+
+    def missing(*a, **k):
+        raise FileNotFoundError('nvidia-smi')
+    monkeypatch.setattr(study.subprocess, 'run', missing)
+    assert study.gpu_processes() is None
 
 def test_same_init_and_batches_across_recipes(tmp_path, monkeypatch):
     """What pairing by seed rests on: one seed gives every recipe the same initial weights
@@ -240,8 +269,12 @@ def test_subprocess_run_and_stop(tmp_path, monkeypatch):
     write_corpus(corpus, n=4000)
     kw = dict(base_flags=[f'--data_dir={corpus}', *CPU], settings=TINY, work_dir=str(tmp_path / 'w'),
               log=lambda m: None)
+    counts = iter([0, 2, 1])  # the GPU's processes at each poll, then 1 for good
+    monkeypatch.setattr(study, 'gpu_processes', lambda: next(counts, 1))
+    monkeypatch.setattr(study, 'SHARING_POLL_S', 0.0)
     new, left = study.run_study(study.grid(['bf16'], [0], ['tiny'], [8 * 32 * 3]), str(tmp_path / 'r'), **kw)
     assert len(new) == 1 and new[0]['status'] == 'ok' and new[0]['curve']['val_steps'] == [0, 1, 2, 3]
+    assert new[0]['gpu_processes'] == 2  # the most it saw while the run went
     monkeypatch.setattr(study, 'estimate_s', lambda run, cfg, records, directory, jobs: 0.0)
     long = study.grid(['bf16'], [1], ['tiny'], [8 * 32 * 100_000])
     new, left = study.run_study(long, str(tmp_path / 'r'), budget_s=2.0, **kw)
