@@ -16,7 +16,7 @@ import statistics
 import numpy as np
 
 from model import RECIPES, SIZES, fp4_blocks
-from study import load_records, tokens_label, write_json
+from study import LAUNCH_ONLY, load_records, tokens_label, write_json
 
 REFERENCE = 'bf16'  # every gap is against this recipe (under the same optimizer, see reference_of)
 # Quartet's BF16 fit (SPEC.md 6) and its effective-parameter / effective-data factors for
@@ -250,10 +250,39 @@ def group_order(groups):
     rank = {r: i for i, r in enumerate(RECIPES)}
     return sorted(groups, key=lambda g: ('+' in g, rank.get(g.split('+')[0], 99), g))
 
+def flags_of(group, groups):
+    """The train.py flags a group's runs were given (study.py's -- flags: its variant), less those
+    that change only how fast the same numbers come (study.LAUNCH_ONLY: --compile_mode)."""
+    flags = next(iter(groups[group].values())).get('flags') or ()
+    return tuple(f for f in flags if f.lstrip('-').partition('=')[0] not in LAUNCH_ONLY)
+
+def commits_of(group, groups):
+    return {r.get('git_commit') for r in groups[group].values()}
+
 def optimizer_of(group, groups):
     """The --optimizer a group's runs were given in their variant's flags ('' for the default)."""
-    flags = next(iter(groups[group].values())).get('flags') or ()
-    return next((f.partition('=')[2] for f in flags if f.startswith('--optimizer=')), '')
+    return next((f.partition('=')[2] for f in flags_of(group, groups) if f.startswith('--optimizer=')), '')
+
+def own_reference(group, groups):
+    """What a variant is compared with inside its recipe: the recipe's group whose flags are the
+    largest proper subset of its own, which differs from it by the fewest flags (nvfp4+root_ends_fp4,
+    --optimizer=root --end_blocks=fp4, against nvfp4+root: what --end_blocks changes, not what ROOT
+    does), the plain recipe among them; else its `+full` variant (an ablation, whose flags take a
+    part out: what leaving it out costs; `+full` itself only against the plain recipe). None for a
+    plain recipe, or where the cell has neither."""
+    base, _, variant = group.partition('+')
+    if not variant:
+        return None
+    mine = set(flags_of(group, groups))
+    kin = [(len(set(flags_of(g, groups))), bool(commits_of(g, groups) & commits_of(group, groups)), g)
+           for g in groups  # the whole is its ablations' reference, not theirs; ties: the same code first
+           if g != group and g.partition('+')[0] == base and set(flags_of(g, groups)) < mine and variant != WHOLE]
+    if kin:
+        return max(kin)[2]
+    if base in groups:
+        return base
+    whole = f'{base}+{WHOLE}'
+    return whole if whole in groups and whole != group else None
 
 def reference_of(group, groups):
     """The runs a group's gap is taken against: bf16 under the same variant if the cell has
@@ -306,8 +335,8 @@ def gap_rows(records):
             if group != ref and ref in groups:
                 row['gap'] = paired_gap(val_losses(groups[ref], key), losses)
             base, _, variant = group.partition('+')
-            own = base if base in groups else f'{base}+{WHOLE}'  # an ablation: against the whole recipe
-            if variant and own in groups and own != group:
+            own = own_reference(group, groups)
+            if own:
                 row['base'], row['vs_base'] = own, paired_gap(val_losses(groups[own], key), losses)
             twin = f"{base}+{variant.partition('_fp4')[0]}"  # root_fp4's (root_fp4x2's) twin is root: not in FP4
             if '_fp4' in variant and twin in groups:
@@ -576,7 +605,7 @@ def report(directory, exponents='auto', n_boot=200, log=print):
     commits = sorted({c for r in rows for c in r['commits']})
     corpora = sorted({c for r in rows for c in r['corpora']})
     variants = [r for r in rows if r.get('vs_base')]
-    md = [f'Val loss after the same tokens, per recipe; gap = mean over seeds of L(recipe, seed) / '
+    md = ['Val loss after the same tokens, per recipe; gap = mean over seeds of L(recipe, seed) / '
           f'L(bf16, seed) - 1, the runs paired by seed (same init, data order and eval batches); '
           f'95% interval = Student t on those paired gaps (n - 1 degrees of freedom). eval: '
           f'"whole split" = the loss over the same val text for every run (train.py eval_split_tokens); '
@@ -587,8 +616,9 @@ def report(directory, exponents='auto', n_boot=200, log=print):
           f'several studies at once): how long runs took, not a speed measurement (bench.py is).', '',
           gap_table(rows), '']
     if variants:
-        md += ['Variants against their own recipe (an ablation, where the plain recipe has no runs, against '
-               f'its `+{WHOLE}` variant: what leaving that part out costs), and an `_fp4` variant against its '
+        md += ['Variants against their own recipe: the run of it whose flags differ by the fewest (what those '
+               'flags change; the plain recipe where none is closer), or, for an ablation, its '
+               f'`+{WHOLE}` variant (what leaving that part out costs); and an `_fp4` variant against its '
                'twin without FP4 (root_fp4 against root), paired by seed:', '',
                '| size | tokens | variant | against | gap | 95% interval | twin | gap to twin | 95% interval |',
                '|---|---|---|---|---|---|---|---|---|']

@@ -227,6 +227,33 @@ def test_fp4_recipe_with_its_own_optimizer_is_compared_to_bf16_under_that_optimi
     assert next(r for r in rows if r['group'] == 'fullstack+full')['ref'] == 'bf16'
 
 
+def test_a_variant_is_compared_with_the_closest_run_of_its_recipe():
+    """own_reference: the recipe's group whose flags are the largest proper subset (one flag apart:
+    what that flag changes), else the plain recipe, else an ablation's +full."""
+    flags = {'nvfp4': [], 'nvfp4+root': ['--optimizer=root'],
+             'nvfp4+root_ends_fp4': ['--optimizer=root', '--end_blocks=fp4'],
+             'fullstack+full': ['--attention=nvfp4', '--optimizer=root_fp4'],
+             'fullstack+ends_bf16': ['--attention=nvfp4', '--optimizer=root_fp4', '--end_blocks=bf16'],
+             'fullstack+no_attn': ['--optimizer=root_fp4'], 'quartet+root': ['--optimizer=root']}
+    groups = {g: {0: dict(flags=f)} for g, f in flags.items()}
+    own = {g: analysis.own_reference(g, groups) for g in groups}
+    assert own == {'nvfp4': None, 'nvfp4+root': 'nvfp4', 'nvfp4+root_ends_fp4': 'nvfp4+root',
+                   'fullstack+full': None, 'fullstack+ends_bf16': 'fullstack+full',
+                   'fullstack+no_attn': 'fullstack+full', 'quartet+root': None}
+    del groups['nvfp4+root']
+    assert analysis.own_reference('nvfp4+root_ends_fp4', groups) == 'nvfp4'
+    # launch-only flags do not count; of two equally close runs, the one of the same code
+    runs = {'bf16': ([], 'a'), 'bf16+root_fp4': (['--optimizer=root_fp4'], 'old'),
+            'bf16+root_fp4_bf16m': (['--optimizer=root_fp4', '--compile_mode=default'], 'new'),
+            'bf16+root_fp4_fp32adam': (['--optimizer=root_fp4', '--optimizer_states=bf16'], 'new')}
+    groups = {g: {0: dict(flags=f, git_commit=c)} for g, (f, c) in runs.items()}
+    assert analysis.own_reference('bf16+root_fp4_bf16m', groups) == 'bf16'
+    assert analysis.own_reference('bf16+root_fp4_fp32adam', groups) == 'bf16+root_fp4_bf16m'
+    runs['bf16+root_fp4'] = (runs['bf16+root_fp4'][0], 'new')  # same code: the name decides, stably
+    groups = {g: {0: dict(flags=f, git_commit=c)} for g, (f, c) in runs.items()}
+    assert analysis.own_reference('bf16+root_fp4_fp32adam', groups) == 'bf16+root_fp4_bf16m'
+
+
 def test_the_table_shows_each_recipe_s_fp4_coverage(tmp_path):
     """nvfp4 keeps the first and last of 30m's 6 blocks in BF16, unless the run's train_config
     says end_blocks='fp4'; quartet runs all 6, or 4 with end_blocks='bf16'; bf16 none."""
