@@ -245,12 +245,12 @@ def estimate_s(run, cfg, records, directory, jobs=1):
     """Projected wall seconds of a run, for the budget. From finished runs of the same recipe
     (and variant, where there are such runs: a variant can train at another speed; else runs of
     the same train config under another name; else any of the recipe's), those that ran alone on
-    the GPU where there are any (gpu_processes 1): the fastest tokens/s (other processes sharing the
-    GPU only ever slow a run) and the median fixed cost (compile, evals). Runs of the same size first, run `jobs` at a time;
-    else of another size, scaled by FLOPs a token; else the 30M train.py runs beside the study
-    (results/<gpu>/train_30m_<recipe>.json, eager, 16K-token steps; the slowest of them for a
-    recipe without one) scaled by FLOPs a token, plus 120 s. Times jobs where the records ran
-    alone (sharing the GPU assumed to gain nothing)."""
+    the GPU where there are any (gpu_processes 1): the fastest tokens/s (other processes sharing
+    the GPU only ever slow a run) and the median fixed cost (compile, evals). Runs of the same
+    size first, run `jobs` at a time; else of another size, scaled by FLOPs a token; else the 30M
+    train.py runs beside the study (results/<gpu>/train_30m_<recipe>.json, eager, 16K-token
+    steps; the slowest of them for a recipe without one) scaled by FLOPs a token, plus 120 s.
+    Times jobs where the records ran alone (sharing the GPU assumed to gain nothing)."""
     tokens = cfg['max_iters'] * step_tokens(cfg)
 
     def flops(size):
