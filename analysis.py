@@ -393,6 +393,46 @@ def curve_gap_table(records):
                      f"{g['ref_loss']:.3f} | {', '.join(f'{100 * x:+.2f}%' for x in g['gaps'])} |")
     return '\n'.join(lines) + '\n'
 
+ABLATION = 'no_'  # an ablation's variant names the part it leaves out (fullstack+no_lora)
+
+
+def equal_coverage_pairs(records):
+    """FP4 recipes against each other, paired by seed, where the comparison is like for like: the
+    same cell, the same optimizer family (root_fp4 is ROOT's) and bf16 reference, and the same
+    FP4 coverage (low_precision_blocks), different recipes, ablations left out. Dicts of size,
+    tokens, group, against, blocks and gap (group's loss / against's - 1 per shared seed)."""
+    out = []
+    for (size, tokens), groups in by_cell(records).items():
+        key = loss_key(groups)
+        fp4 = [g for g in group_order(groups) if g.partition('+')[0] != REFERENCE
+               and not g.partition('+')[2].startswith(ABLATION)]
+        blocks = {g: low_precision_blocks(next(iter(groups[g].values()))) for g in fp4}
+        family = {g: optimizer_of(g, groups).partition('_fp4')[0] or 'adamw' for g in fp4}  # root_fp4: root
+        for i, a in enumerate(fp4):
+            for b in fp4[i + 1:]:
+                if (a.partition('+')[0] == b.partition('+')[0] or blocks[a] != blocks[b] or family[a] != family[b]
+                        or reference_of(a, groups) != reference_of(b, groups)):
+                    continue
+                gap = paired_gap(val_losses(groups[a], key), val_losses(groups[b], key))
+                if gap['n'] >= 2:
+                    out.append(dict(size=size, tokens=tokens, group=b, against=a, blocks=blocks[a],
+                                    ref=reference_of(a, groups), gap=gap))
+    return out
+
+def equal_coverage_table(records):
+    pairs = equal_coverage_pairs(records)
+    if not pairs:
+        return ''
+    lines = ['FP4 recipes against each other at equal FP4 coverage, under the same optimizer (the same bf16 '
+             'reference), paired by seed: the gap is L(recipe) / L(against) - 1; negative: the recipe is closer '
+             'to bf16.', '', '| size | tokens | FP4 blocks | recipe | against | gap | 95% interval | both against |',
+             '|---|---|---|---|---|---|---|---|']
+    for p in pairs:
+        gap, interval = fmt_gap(p['gap'])
+        lines.append(f"| {p['size']} | {tokens_label(p['tokens'])} | {p['blocks']} | {p['group']} | {p['against']} "
+                     f"| {gap} | {interval} | {p['ref']} |")
+    return '\n'.join(lines) + '\n'
+
 def fmt_gap(gap):
     if gap is None or gap['n'] == 0:
         return '—', '—'
@@ -629,7 +669,7 @@ def report(directory, exponents='auto', n_boot=200, log=print):
         md += ['', '(sd: the seed sd of what the gap is against, relative to its mean; "within" where the '
                'mean gap is no larger: the issues\' "within the seed spread")']
         md.append('')
-    md += [curve_gap_table(records)]
+    md += [equal_coverage_table(records), curve_gap_table(records)]
     md += [f'Published: {PUBLISHED}.', '', published_law_gaps(rows), '',
            'Eval noise beside seed noise (bf16): ' + ('; '.join(noise) or 'needs >= 2 seeds') + '.', '',
            law_md, '', 'Plots: ' + ', '.join(f'`{p}`' for p in pngs) + '.',

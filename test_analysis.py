@@ -354,3 +354,30 @@ def test_report_compares_the_split_loss_where_every_run_of_a_cell_has_it(tmp_pat
     assert by['50m', 'quartet']['gap']['rel'] == pytest.approx((3.3 / 3.0 + 3.3 / 3.2) / 2 - 1)
     md = (tmp_path / 'report.md').read_text()
     assert '| whole split |' in md and '| per-seed batches, SE 0.0100 |' in md
+
+def test_fp4_recipes_are_compared_with_each_other_only_like_for_like(tmp_path):
+    """equal_coverage_pairs: two recipes of a cell at the same FP4 coverage under the same optimizer
+    family, paired by seed; not nvfp4 (4/6) against quartet (6/6), not quartet+root against quartet2
+    (AdamW) when bf16+root is missing, not an ablation, not a recipe against its own variant."""
+    runs = {('bf16', '', ()): (4.0, 4.1), ('nvfp4', '', ()): (4.1, 4.2), ('quartet', '', ()): (4.2, 4.3),
+            ('quartet2', '', ()): (4.16, 4.3), ('quartet', 'root', ('--optimizer=root',)): (3.7, 3.8),
+            ('nvfp4', 'ends_fp4', ('--end_blocks=fp4',)): (4.2, 4.2),
+            ('fullstack', 'no_lora', ('--lora_rank=0',)): (4.0, 4.0)}
+    for (recipe, variant, flags), per_seed in runs.items():
+        for seed, L in enumerate(per_seed):
+            run = study.Run('30m', 13e6, recipe, seed, variant)
+            ends = [f.partition('=')[2] for f in flags if f.startswith('--end_blocks')]
+            study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+                id=run.id, group=f'{recipe}+{variant}' if variant else recipe, recipe=recipe, variant=variant,
+                flags=list(flags), seed=seed, model_size='30m', tokens=13e6, n_params=30e6, epochs=0.1, status='ok',
+                val_loss=L, val_loss_se=0.01, tokens_per_s=1e5, git_commit='abc', corpus=dict(train_sha1='f00'),
+                train_config=dict(recipe=recipe, model_size='30m', **({'end_blocks': ends[0]} if ends else {})),
+                curve=dict(train_loss=[8.0, L], val_steps=[0, 10], val_loss=[8.0, L])))
+    pairs = analysis.equal_coverage_pairs(study.load_records(str(tmp_path)))
+    got = {(p['group'], p['against']): p for p in pairs}
+    assert set(got) == {('quartet2', 'quartet'), ('nvfp4+ends_fp4', 'quartet'), ('nvfp4+ends_fp4', 'quartet2')}
+    assert got['quartet2', 'quartet']['gap']['rel'] == pytest.approx((4.16 / 4.2 + 1) / 2 - 1)
+    assert got['quartet2', 'quartet']['blocks'] == '6/6' and got['quartet2', 'quartet']['ref'] == 'bf16'
+    analysis.report(str(tmp_path), n_boot=10, log=lambda m: None)
+    want = f"| 30m | 13M | 6/6 | quartet2 | quartet | {100 * ((4.16 / 4.2 + 1) / 2 - 1):+.2f}% |"
+    assert want in (tmp_path / 'report.md').read_text()
