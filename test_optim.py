@@ -797,12 +797,14 @@ def test_grid_emulation_rejects_bad_launches(adamw_grid, monkeypatch):
 # Muon and ROOT (Newton-Schulz itself: test_newton_schulz.py)
 
 
-@pytest.mark.parametrize("kind", ["gauss", "ties", "zeros", "inf_nan", "wide"])
-def test_kth_smallest_is_kthvalue(kind):
-    """optim.kth_smallest (two bit-pattern histograms) gives torch.kthvalue's value exactly: ties,
-    zeros, Inf and NaN (ordered last, as kthvalue orders them), subnormal to huge magnitudes; k at
-    both ends, at ROOT's 0.9 and at random."""
-    g = torch.Generator().manual_seed(["gauss", "ties", "zeros", "inf_nan", "wide"].index(kind))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+@pytest.mark.parametrize("kind", ["gauss", "ties", "zeros", "inf_nan", "wide", "signed"])
+def test_kth_smallest_is_kthvalue(kind, device):
+    """optim.kth_smallest (torch.topk of the smaller side) gives torch.kthvalue's value exactly, on
+    the CPU and on a GPU (against the CPU's kthvalue): ties, zeros, Inf and NaN (ordered last, as
+    kthvalue orders them; a NaN among the top ones must not come out unless it is the k-th),
+    subnormal to huge magnitudes, signed values; k at both ends, at ROOT's 0.9, at random."""
+    g = torch.Generator().manual_seed(["gauss", "ties", "zeros", "inf_nan", "wide", "signed"].index(kind))
     for n in (1, 2, 17, 1000, 4099):
         x = torch.randn(n, generator=g).abs()
         if kind == "ties":
@@ -814,9 +816,11 @@ def test_kth_smallest_is_kthvalue(kind):
             x[torch.rand(n, generator=g) < 0.05] = float("nan")
         elif kind == "wide":
             x = x * torch.exp2(torch.randint(-140, 120, (n,), generator=g).float())
+        elif kind == "signed":
+            x = x * torch.randn(n, generator=g).sign()
         for k in {1, n, max(1, math.ceil(0.9 * n)), int(torch.randint(1, n + 1, (1,), generator=g))}:
-            want, got = x.kthvalue(k).values, optim.kth_smallest(x, k)
-            assert torch.equal(got, want) or (got.isnan() and want.isnan()), (n, k, got, want)
+            want, got = x.kthvalue(k).values, optim.kth_smallest(x.to(device), k).cpu()
+            assert got.shape == () and (torch.equal(got, want) or (got.isnan() and want.isnan())), (n, k, got, want)
     with pytest.raises(ValueError, match="1 <= k <= numel"):
         optim.kth_smallest(torch.ones(4), 5)
     with pytest.raises(ValueError, match="1-D float32"):
