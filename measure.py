@@ -515,6 +515,51 @@ def from_checkpoint(path, m):
     return [(mod.weight.detach().clone(), xs[mod], es[mod]) for mod in linears.values()], ckpt.get("iter_num")
 
 
+def checkpoint_lora(path):
+    """{index of the block linear in from_checkpoint's order: (U_r S_r, V_r)}: the L factors a
+    fullstack checkpoint holds, as fitted at its last refit; {} for the other recipes."""
+    sd = torch.load(path, map_location="cpu", weights_only=False)["model"]
+    names = [k[:-len(".weight")] for k in sd if k.startswith("transformer.h.") and k.endswith(".weight")
+             and sd[k].ndim == 2]  # the block linears, in module order (norm weights are 1-D)
+    return {i: (sd[n + ".lora_us"].float(), sd[n + ".lora_v"].float()) for i, n in enumerate(names)
+            if n + ".lora_us" in sd and sd[n + ".lora_us"].numel()}
+
+
+def held_lora_rows(path, layers, it, calls):
+    """A fullstack checkpoint's block linears with the L they hold (fitted at the run's last refit,
+    every lora_refit_interval steps), with L refitted to the same W at the same rank, and with no
+    L: how much of L's error cut is left once W has moved on from what L was fitted to. Also
+    ||W - L|| / ||W|| per variant (Eckart-Young: no rank-r L leaves less than the refit, up to the
+    randomized SVD's own error)."""
+    held = checkpoint_lora(path)
+    if not held:
+        return []
+    interval = torch.load(path, map_location="cpu", weights_only=False)["config"].get("lora_refit_interval")
+    group = f"checkpoint (step {it}, refit every {interval})"
+    per = {"fullstack r=none": [], "fullstack, L as held": [], "fullstack, L refitted": []}
+    for i, (us, v) in held.items():
+        w, x, e = layers[i]
+        if (us.shape[0], v.shape[0]) != tuple(w.shape):
+            raise ValueError(f"{path}: block linear {i}'s L is {us.shape[0]}x{v.shape[0]}, its weight {tuple(w.shape)}")
+        stale = layer(w, "fullstack", us.shape[1])
+        fresh = layer(w, "fullstack", us.shape[1])
+        stale.lora_us.copy_(us)
+        stale.lora_v.copy_(v)
+        for label, lin in (("fullstack r=none", layer(w, "fullstack", -1)), ("fullstack, L as held", stale),
+                           ("fullstack, L refitted", fresh)):
+            low = lin.lora_us.float() @ lin.lora_v.float().t() if lin.lora_rank else torch.zeros_like(w)
+            per[label].append(dict(errors(lin, x, e, calls), residual=rel(low, w)))  # ||W - L|| / ||W||
+    rows, base = [], None
+    for label, errs in per.items():
+        row = dict(weights=group, variant=label, **{k: float(np.mean([d[k] for d in errs])) for k in errs[0]})
+        base = base or row
+        if row is not base:
+            row.update({f"{k}_cut_pct": 100 * (1 - row[k] / base[k]) for k in ("out", "dgrad")})
+        rows.append(row)
+        print_row(row)
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------
 # lora_rank: the backward treatments compared (the recipe's choice, README)
 
@@ -562,8 +607,10 @@ def section_lora_rank(args):
     if args.ckpt:
         layers, it = from_checkpoint(args.ckpt, args.tokens)
         cases[f"checkpoint (step {it})"] = layers
+        held = held_lora_rows(args.ckpt, [tuple(t.to(args.device) for t in case) for case in layers], it, args.calls)
     cases = {g: [tuple(t.to(args.device) for t in case) for case in layers] for g, layers in cases.items()}
     rows = rank_rows(cases, [int(r) for r in args.ranks.split(",")], args.calls)
+    rows += held if args.ckpt else []
     if args.backward:
         rows += compare_backwards(cases, args.backward_rank, args.calls)
     return rows

@@ -107,6 +107,40 @@ def test_lora_rank_rows():
             assert r16[f"{k}_cut_pct"] > 20 and abs(r16[f"{k}_cut_pct"] - r16["predicted_cut_pct"]) < 2, r16
 
 
+
+def test_held_lora_rows_tell_a_stale_L_from_a_refit(tmp_path):
+    """A fullstack run whose L was fitted once, at step 0, to the init: after 40 steps at lr 0.01
+    the L it holds leaves more of W outside it than a refit does (Eckart-Young), and cuts the
+    output error by less. With the checkpoint's L replaced by the refit measure.layer makes (the
+    same randomized SVD, the same seed), "as held" is that refit exactly."""
+    import fp4
+    import train
+    from test_train import write_corpus
+    write_corpus(str(tmp_path))
+    out = tmp_path / "out"
+    train.main([f"--data_dir={tmp_path}", f"--out_dir={out}", "--model_size=tiny", "--block_size=32",
+                "--batch_size=8", "--eval_iters=1", "--eval_interval=40", "--max_iters=40", "--learning_rate=0.01",
+                "--device=cpu", "--dtype=float32", "--compile=False", "--recipe=fullstack"])
+    path = str(out / "ckpt.pt")
+    layers, it = measure.from_checkpoint(path, 128)
+    rows = {r["variant"]: r for r in measure.held_lora_rows(path, layers, it, 1)}
+    none, held, fresh = (rows[f"fullstack{v}"] for v in (" r=none", ", L as held", ", L refitted"))
+    assert none["residual"] == 1 and fresh["residual"] < held["residual"] < 1, rows
+    assert fresh["out_cut_pct"] > held["out_cut_pct"] + 5, (held, fresh)
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    for w, _, _ in layers:  # the refit measure.layer would make, written into the checkpoint
+        name = next(k[:-len(".weight")] for k, v in ckpt["model"].items() if k.endswith(".weight") and v is not None
+                    and v.shape == w.shape and torch.equal(v.float(), w))
+        u, s, v = fp4.randomized_svd(w, ckpt["model"][name + ".lora_us"].shape[1], seed=0)
+        ckpt["model"][name + ".lora_us"].copy_(u * s)
+        ckpt["model"][name + ".lora_v"].copy_(v)
+    torch.save(ckpt, path)
+    rows = {r["variant"]: r for r in measure.held_lora_rows(path, layers, it, 1)}
+    assert {k: rows["fullstack, L as held"][k] for k in ("out", "dgrad", "residual")} == \
+        {k: rows["fullstack, L refitted"][k] for k in ("out", "dgrad", "residual")}
+    with pytest.raises(ValueError, match="block linear 0's L is"):
+        measure.held_lora_rows(path, layers[1:], it, 1)
+
 # ---------------------------------------------------------------------------------------------
 # the command line
 

@@ -331,7 +331,16 @@ def test_resume_fullstack_carries_lora(corpus, tmp_path):
     assert a['train_loss'] == b['train_loss'] and a['val_loss'] == b['val_loss']
     log = (tmp_path / 'full' / 'train.log').read_text()
     assert 'step 0: LoRA-SVD refit of 12 linears' in log and 'step 3: LoRA-SVD refit of 12 linears' in log
+    assert 'never refit' not in log  # 4 steps, a refit every 3: the warning is for runs no longer than that
+    assert ('warning: L (LoRA-SVD) is fitted at step 0, to the initial weights, and never refit: max_iters 2 '
+            '<= lora_refit_interval 3') in (tmp_path / 'part' / 'train.log').read_text()
 
+
+@needs_fp4
+def test_fullstack_without_refits_says_l_stays_zero(corpus, tmp_path):
+    run(corpus, tmp_path, '--recipe=fullstack', '--max_iters=1', '--eval_interval=1', '--lora_refit_interval=0')
+    log = (tmp_path / 'train.log').read_text()
+    assert 'lora_refit_interval 0: L is never fitted, so it stays 0' in log and 'LoRA-SVD refit' not in log
 
 def test_resume_adamw_fp4_is_bit_identical(corpus, tmp_path):
     """--optimizer=adamw_fp4: the checkpoint holds the packed NVFP4 states (uint8 codes), the

@@ -949,6 +949,13 @@ def main(argv=None):
     if epochs > 1:
         log(f'warning: the run repeats its training data: {max_iters} steps read {epochs:.2f} epochs '
             f"of the {len(data['train']):,}-token train split")
+    if recipe == 'fullstack' and lora_rank != -1 and max_iters <= max(lora_refit_interval, 0):
+        log(f'warning: L (LoRA-SVD) is fitted at step 0, to the initial weights, and never refit: max_iters '
+            f'{max_iters} <= lora_refit_interval {lora_refit_interval}. The trained W soon has other top '
+            f'directions (README: "How stale L gets"); --lora_refit_interval={max(1, max_iters // 8)} refits it 8 times')
+    elif recipe == 'fullstack' and lora_rank != -1 and lora_refit_interval <= 0:
+        log(f'warning: lora_refit_interval {lora_refit_interval}: L is never fitted, so it stays 0 '
+            '(the low-rank part does nothing; --lora_rank=-1 says so)')
     if eval_split_tokens > 0:
         split_batches(len(data['val']), world)  # fail now, not after the run
     raw_model, model_args, optimizer, iter_num, history = init_run(rank, meta)
