@@ -91,10 +91,25 @@ def _jacobian(residual, theta):
         cols.append((residual(up) - residual(down)) / (2 * h))
     return np.stack(cols, axis=1)
 
+def _finite_or_inf(residual):
+    """residual, with a step whose parameters overflow (exp of a huge log-factor, a negative base
+    to a fractional power) scored as infinitely bad instead of raising: the search steps back."""
+    def safe(theta):
+        try:
+            with np.errstate(all='ignore'):
+                r = np.asarray(residual(theta), dtype=np.float64)
+        except (OverflowError, ValueError, ZeroDivisionError):
+            return np.full(1, np.inf)
+        return r if np.all(np.isfinite(r)) else np.full(r.shape, np.inf)
+    return safe
+
 def levenberg_marquardt(residual, theta, iters=500):
     """Minimise |residual(theta)|^2 from theta. Returns (theta, Jacobian, residuals)."""
+    residual = _finite_or_inf(residual)
     theta = np.asarray(theta, dtype=np.float64)
     r = residual(theta)
+    if not np.all(np.isfinite(r)):
+        raise ValueError(f'the law fit\'s start {theta} gives a non-finite loss')
     cost, lam = r @ r, 1e-3
     for _ in range(iters):
         J = _jacobian(residual, theta)
@@ -113,10 +128,10 @@ def levenberg_marquardt(residual, theta, iters=500):
             break
     return theta, _jacobian(residual, theta), r
 
-def _start(N, D, L, n_groups):
-    """A, B, E to start from, Quartet's exponents: for each E on a grid below the smallest
-    loss, (L - E)^(1/g) = A N^-a + B D^-b is linear in A and B."""
-    q = QUARTET_LAW
+def _start(N, D, L, n_groups, exps=None):
+    """A, B, E to start from, for exponents exps (a, b, g; default Quartet's): for each E on a
+    grid below the smallest loss, (L - E)^(1/g) = A N^-a + B D^-b is linear in A and B."""
+    q = dict(zip('abg', exps)) if exps else QUARTET_LAW
     X = np.stack([N ** -q['a'], D ** -q['b']], axis=1)
     best = None
     for E in np.linspace(0.0, L.min() - 1e-3, 60):
@@ -162,7 +177,8 @@ def fit_law(cells, ref=REFERENCE, exponents='quartet', start=None):
     dof = len(L) - len(theta)
     se = np.full(len(theta), math.nan)
     if dof > 0:
-        se = np.sqrt(np.diag(r @ r / dof * np.linalg.pinv(J.T @ J)))
+        with np.errstate(invalid='ignore'):  # a negative diagonal (a flat direction): no SE, NaN
+            se = np.sqrt(np.diag(r @ r / dof * np.linalg.pinv(J.T @ J)))
     p, _ = unpack(theta)
     # effN = exp(theta): its standard error is effN * se(theta) (delta method)
     log_eff = bounded(theta[k:])
@@ -188,7 +204,8 @@ def law_problems(p, N, D, at_bound=()):
     out = []
     if p['E'] < 0:
         out.append(f"E = {p['E']:.3f} < 0, a loss below zero")
-    t_n, t_d = p['A'] / N ** p['a'], p['B'] / D ** p['b']
+    with np.errstate(over='ignore'):  # a runaway exponent: N^a = inf, its term 0, flagged below
+        t_n, t_d = p['A'] / N ** p['a'], p['B'] / D ** p['b']
     for name, mine, other, alone in (('A / N^a', t_n, t_d, 'D'), ('B / D^b', t_d, t_n, 'N')):
         if np.all(mine < 1e-3 * other):
             out.append(f'the term {name} is below 0.1% of the other at every cell (a loss of {alone} alone)')
@@ -205,9 +222,7 @@ def fit_auto(cells, ref=REFERENCE, max_rel_se=0.3):
     sizes, budgets = len({c[1] for c in ref_cells}), len({c[2] for c in ref_cells})
     why = f'{sizes} sizes x {budgets} token budgets of {ref}'
     if sizes >= 3 and budgets >= 3:
-        t = fixed['theta']
-        free = fit_law(cells, ref, 'free', start=np.concatenate(
-            [t[:3], np.log([QUARTET_LAW[n] for n in 'abg']), t[3:]]))
+        free = fit_free(cells, ref, fixed['theta'])
         rel = [free['exponent_se'][n] / free['params'][n] for n in 'abg']
         if all(np.isfinite(rel)) and max(rel) < max_rel_se:
             free['note'] = f'exponents a, b, g fitted ({why})'
@@ -216,6 +231,28 @@ def fit_auto(cells, ref=REFERENCE, max_rel_se=0.3):
     fixed['note'] = (f"exponents fixed to Quartet's BF16 fit (a={QUARTET_LAW['a']}, "
                      f"b={QUARTET_LAW['b']}, g={QUARTET_LAW['g']}): the data ({why}) cannot pin them")
     return fixed
+
+FREE_STARTS = [(QUARTET_LAW['a'], QUARTET_LAW['b'], QUARTET_LAW['g']), (0.34, 0.28, 1.0),  # Chinchilla's
+               (0.3, 0.3, 0.5), (0.5, 0.5, 1.0), (0.3, 0.8, 1.0), (0.8, 0.3, 1.0)]
+
+def fit_free(cells, ref, fixed_theta):
+    """The free-exponent fit from several starts: the fixed fit's A, B, E and factors with Quartet's
+    exponents, and each of FREE_STARTS' exponents with A, B, E solved for them and every factor 1
+    (a start where one term is zero cannot find it again: its gradient vanishes). The best by rms
+    among the fits law_problems finds nothing wrong with, else the best."""
+    N, D, L = (np.array([c[i] for c in cells if c[0] == ref], dtype=np.float64) for i in (1, 2, 3))
+    starts = [np.concatenate([fixed_theta[:3], np.log(FREE_STARTS[0]), fixed_theta[3:]])]
+    for exps in FREE_STARTS:  # effN = effD = 1 to start: the fixed fit's may sit at their bounds
+        s0 = _start(N, D, L, 0, exps)
+        starts.append(np.concatenate([s0[:3], np.log(exps), np.zeros(len(fixed_theta) - 3)]))
+    fits = []
+    for start in starts:
+        try:
+            fits.append(fit_law(cells, ref, 'free', start=start))
+        except (ValueError, np.linalg.LinAlgError):  # a start the law cannot be evaluated at
+            continue
+    good = [f for f in fits if not f['problems']]
+    return min(good or fits, key=lambda f: f['rms'])
 
 def bootstrap_eff(seed_losses, ref, exponents, start, n_boot=200, rng_seed=0, level=0.95):
     """Percentile intervals of effN, effD: refit on cell means of seeds drawn with replacement.

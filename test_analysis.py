@@ -108,6 +108,25 @@ def test_law_fit_free_exponents():
     with pytest.raises(ValueError, match='reference recipe'):
         analysis.fit_law([c for c in cells if c[0] != 'bf16'])
 
+def test_free_fit_escapes_a_start_where_one_term_is_gone():
+    """Exponents far from Quartet's (b 1.46, g 0.63: the loss falls fast with D, as this study's
+    short runs do) on 3 sizes x 3 budgets. With Quartet's exponents fixed, the fit drops the N term
+    (A = 0), and a free fit started there cannot bring it back (its gradient is zero); fit_free's
+    other starts do: the truth, to 1e-3."""
+    true = dict(A=11439.0, a=0.628, B=1.0655e11, b=1.4596, g=0.6333, E=1.3651)
+    cells = means(synthetic_cells(true, [30.5e6, 49.6e6, 102.8e6], [13e6, 50e6, 100e6]))
+    fixed = analysis.fit_law(cells, exponents='quartet')
+    assert fixed['problems'], fixed['params']  # the degenerate start, as on the H200's runs
+    t = fixed['theta']
+    stuck = analysis.fit_law(cells, exponents='free', start=np.concatenate(
+        [t[:3], np.log([analysis.QUARTET_LAW[n] for n in 'abg']), t[3:]]))
+    assert stuck['problems'] or stuck['rms'] > 1e-3  # what fit_auto did before fit_free
+    fit = analysis.fit_auto(cells)
+    assert fit['exponents'] == 'free' and fit['problems'] == [] and fit['rms'] < 1e-6
+    for k in ('a', 'b', 'g', 'E'):
+        assert fit['params'][k] == pytest.approx(true[k], rel=1e-3), k
+    assert fit['eff']['quartet'] == pytest.approx(EFF['quartet'], rel=1e-3)
+
 def test_law_fit_with_seed_noise():
     """Noise of 0.003 nats a run, 3 seeds: effN, effD within 4 standard errors of the truth
     (the fit's own, from the Jacobian), and the bootstrap interval over seeds around the fit."""
