@@ -304,18 +304,21 @@ def own_reference(group, groups):
     """What a variant is compared with inside its recipe: the recipe's group whose flags are the
     largest proper subset of its own, which differs from it by the fewest flags (nvfp4+root_ends_fp4,
     --optimizer=root --end_blocks=fp4, against nvfp4+root: what --end_blocks changes, not what ROOT
-    does), the plain recipe among them; else its `+full` variant (an ablation, whose flags take a
+    does; of two such, the one at the same FP4 coverage), the plain recipe among them; else its `+full` variant (an ablation, whose flags take a
     part out: what leaving it out costs; `+full` itself only against the plain recipe). None for a
     plain recipe, or where the cell has neither."""
     base, _, variant = group.partition('+')
     if not variant:
         return None
     mine = set(flags_of(group, groups))
-    kin = [(len(set(flags_of(g, groups))), bool(commits_of(g, groups) & commits_of(group, groups)), g)
-           for g in groups  # the whole is its ablations' reference, not theirs; ties: the same code first
-           if g != group and g.partition('+')[0] == base and set(flags_of(g, groups)) < mine and variant != WHOLE]
+    blocks = low_precision_blocks(next(iter(groups[group].values())))
+    kin = [(len(set(flags_of(g, groups))), low_precision_blocks(next(iter(groups[g].values()))) == blocks,
+            bool(commits_of(g, groups) & commits_of(group, groups)), g)
+           for g in groups  # the whole is its ablations' reference, not theirs; ties: the same FP4
+           if g != group and g.partition('+')[0] == base  # coverage first, then the same code
+           and set(flags_of(g, groups)) < mine and variant != WHOLE]
     if kin:
-        return max(kin)[2]
+        return max(kin)[-1]
     if base in groups:
         return base
     whole = f'{base}+{WHOLE}'
@@ -386,7 +389,7 @@ def low_precision_blocks(run):
     model.fp4_blocks: nvfp4 keeps the first and last in BF16 unless --end_blocks says otherwise,
     so recipes compared at one size may differ in coverage, which the table shows."""
     cfg = run.get('train_config') or {}
-    if run['model_size'] not in SIZES or run['recipe'] not in RECIPES:  # a record of an older code
+    if run.get('model_size') not in SIZES or run.get('recipe') not in RECIPES:  # an older code's record
         return '?'
     n_layer = SIZES[run['model_size']]['n_layer']
     return f"{len(fp4_blocks(n_layer, run['recipe'], cfg.get('end_blocks', 'auto')))}/{n_layer}"

@@ -253,12 +253,19 @@ def test_a_variant_is_compared_with_the_closest_run_of_its_recipe():
              'nvfp4+root_ends_fp4': ['--optimizer=root', '--end_blocks=fp4'],
              'fullstack+full': ['--attention=nvfp4', '--optimizer=root_fp4'],
              'fullstack+ends_bf16': ['--attention=nvfp4', '--optimizer=root_fp4', '--end_blocks=bf16'],
-             'fullstack+no_attn': ['--optimizer=root_fp4'], 'quartet+root': ['--optimizer=root']}
-    groups = {g: {0: dict(flags=f)} for g, f in flags.items()}
+             'fullstack+no_attn': ['--optimizer=root_fp4'], 'quartet+root': ['--optimizer=root'],
+             'fullstack+refit50': ['--attention=nvfp4', '--optimizer=root_fp4', '--lora_refit_interval=50'],
+             'fullstack+ends_bf16_refit50': ['--attention=nvfp4', '--optimizer=root_fp4', '--end_blocks=bf16',
+                                             '--lora_refit_interval=50']}
+    def record(group, f):  # coverage from --end_blocks: ends_bf16_refit50 is 4/6, as ends_bf16, not refit50
+        ends = next((x.partition('=')[2] for x in f if x.startswith('--end_blocks')), 'auto')
+        return dict(flags=f, model_size='30m', recipe=group.partition('+')[0], train_config=dict(end_blocks=ends))
+    groups = {g: {0: record(g, f)} for g, f in flags.items()}
     own = {g: analysis.own_reference(g, groups) for g in groups}
     assert own == {'nvfp4': None, 'nvfp4+root': 'nvfp4', 'nvfp4+root_ends_fp4': 'nvfp4+root',
                    'fullstack+full': None, 'fullstack+ends_bf16': 'fullstack+full',
-                   'fullstack+no_attn': 'fullstack+full', 'quartet+root': None}
+                   'fullstack+no_attn': 'fullstack+full', 'quartet+root': None,
+                   'fullstack+refit50': 'fullstack+full', 'fullstack+ends_bf16_refit50': 'fullstack+ends_bf16'}
     del groups['nvfp4+root']
     assert analysis.own_reference('nvfp4+root_ends_fp4', groups) == 'nvfp4'
     # launch-only flags do not count; of two equally close runs, the one of the same code
