@@ -515,10 +515,11 @@ def from_checkpoint(path, m):
     return [(mod.weight.detach().clone(), xs[mod], es[mod]) for mod in linears.values()], ckpt.get("iter_num")
 
 
-def checkpoint_lora(path):
+def checkpoint_lora(ckpt):
     """{index of the block linear in from_checkpoint's order: (U_r S_r, V_r)}: the L factors a
-    fullstack checkpoint holds, as fitted at its last refit; {} for the other recipes."""
-    sd = torch.load(path, map_location="cpu", weights_only=False)["model"]
+    fullstack checkpoint (as torch.load gives it) holds, as fitted at its last refit; {} for the
+    other recipes."""
+    sd = ckpt["model"]
     names = [k[:-len(".weight")] for k in sd if k.startswith("transformer.h.") and k.endswith(".weight")
              and sd[k].ndim == 2]  # the block linears, in module order (norm weights are 1-D)
     return {i: (sd[n + ".lora_us"].float(), sd[n + ".lora_v"].float()) for i, n in enumerate(names)
@@ -531,10 +532,11 @@ def held_lora_rows(path, layers, it, calls):
     L: how much of L's error cut is left once W has moved on from what L was fitted to. Also
     ||W - L|| / ||W|| per variant (Eckart-Young: no rank-r L leaves less than the refit, up to the
     randomized SVD's own error)."""
-    held = checkpoint_lora(path)
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    held = checkpoint_lora(ckpt)
     if not held:
         return []
-    interval = torch.load(path, map_location="cpu", weights_only=False)["config"].get("lora_refit_interval")
+    interval = ckpt["config"].get("lora_refit_interval")
     group = f"checkpoint (step {it}, refit every {interval})"
     per = {"fullstack r=none": [], "fullstack, L as held": [], "fullstack, L refitted": []}
     for i, (us, v) in held.items():
