@@ -1,5 +1,5 @@
 """
-Tests for analysis.py: the paired intervals and the law fit on synthetic losses with known
+Tests for analysis.py and law.py: the paired intervals and the law fit on synthetic losses with known
 answers, and the report's pairing and tables on synthetic run records (written as study.py
 writes them). CPU only, a few seconds.
 
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import analysis
+import law
 import study
 
 # -----------------------------------------------------------------------------
@@ -77,7 +78,7 @@ def synthetic_cells(params, sizes, budgets, noise=0.0, seeds=(0,), rng=None):
     for g, (en, ed) in EFF.items():
         for N in sizes:
             for D in budgets:
-                L = float(analysis.law_loss(N, D, params, en, ed))
+                L = float(law.law_loss(N, D, params, en, ed))
                 out[(g, N, D)] = {s: L + (rng.normal(0, noise) if noise else 0.0) for s in seeds}
     return out
 
@@ -86,27 +87,27 @@ def means(seed_losses):
 
 def test_law_fit_recovers_known_parameters():
     cells = means(synthetic_cells(TRUE, [30e6, 50e6, 100e6], [25e6, 50e6]))
-    fit = analysis.fit_law(cells, exponents='quartet')
+    fit = law.fit_law(cells, exponents='quartet')
     for k in ('A', 'B', 'E'):
         assert fit['params'][k] == pytest.approx(TRUE[k], rel=1e-6), k
     for g in ('quartet', 'nvfp4'):
         assert fit['eff'][g] == pytest.approx(EFF[g], rel=1e-6), g
     assert fit['rms'] < 1e-9 and fit['dof'] == 18 - 7 and fit['problems'] == []
     # 3 sizes x 2 budgets cannot pin the exponents: auto keeps Quartet's and says so
-    auto = analysis.fit_auto(cells)
+    auto = law.fit_auto(cells)
     assert auto['exponents'] == 'quartet' and 'cannot pin' in auto['note']
 
 def test_law_fit_free_exponents():
     """Exponents unlike Quartet's, on 4 sizes x 4 budgets: auto frees and recovers them."""
     true = dict(TRUE, a=0.5, b=0.62, g=0.3, A=2e4, B=4e5)
     cells = means(synthetic_cells(true, [30e6, 50e6, 100e6, 200e6], [12e6, 25e6, 50e6, 100e6]))
-    fit = analysis.fit_auto(cells)
+    fit = law.fit_auto(cells)
     assert fit['exponents'] == 'free' and 'fitted' in fit['note']
     for k in ('a', 'b', 'g', 'E'):
         assert fit['params'][k] == pytest.approx(true[k], rel=1e-4), k
     assert fit['eff']['quartet'] == pytest.approx(EFF['quartet'], rel=1e-4)
     with pytest.raises(ValueError, match='reference recipe'):
-        analysis.fit_law([c for c in cells if c[0] != 'bf16'])
+        law.fit_law([c for c in cells if c[0] != 'bf16'])
 
 def test_free_fit_escapes_a_start_where_one_term_is_gone():
     """Exponents far from Quartet's (b 1.46, g 0.63: the loss falls fast with D, as this study's
@@ -115,13 +116,13 @@ def test_free_fit_escapes_a_start_where_one_term_is_gone():
     other starts do: the truth, to 1e-3."""
     true = dict(A=11439.0, a=0.628, B=1.0655e11, b=1.4596, g=0.6333, E=1.3651)
     cells = means(synthetic_cells(true, [30.5e6, 49.6e6, 102.8e6], [13e6, 50e6, 100e6]))
-    fixed = analysis.fit_law(cells, exponents='quartet')
+    fixed = law.fit_law(cells, exponents='quartet')
     assert fixed['problems'], fixed['params']  # the degenerate start, as on the H200's runs
     t = fixed['theta']
-    stuck = analysis.fit_law(cells, exponents='free', start=np.concatenate(
-        [t[:3], np.log([analysis.QUARTET_LAW[n] for n in 'abg']), t[3:]]))
+    stuck = law.fit_law(cells, exponents='free', start=np.concatenate(
+        [t[:3], np.log([law.QUARTET_LAW[n] for n in 'abg']), t[3:]]))
     assert stuck['problems'] or stuck['rms'] > 1e-3  # what fit_auto did before fit_free
-    fit = analysis.fit_auto(cells)
+    fit = law.fit_auto(cells)
     assert fit['exponents'] == 'free' and fit['problems'] == [] and fit['rms'] < 1e-6
     for k in ('a', 'b', 'g', 'E'):
         assert fit['params'][k] == pytest.approx(true[k], rel=1e-3), k
@@ -132,8 +133,8 @@ def test_law_fit_with_seed_noise():
     (the fit's own, from the Jacobian), and the bootstrap interval over seeds around the fit."""
     rng = np.random.default_rng(1)
     seed_losses = synthetic_cells(TRUE, [30e6, 50e6, 100e6], [25e6, 50e6], 0.003, (0, 1, 2), rng)
-    fit = analysis.fit_law(means(seed_losses))
-    boot = analysis.bootstrap_eff(seed_losses, 'bf16', 'quartet', fit['theta'], n_boot=40)
+    fit = law.fit_law(means(seed_losses))
+    boot = law.bootstrap_eff(seed_losses, 'bf16', 'quartet', fit['theta'], n_boot=40)
     for g in ('quartet', 'nvfp4'):
         for j in (0, 1):
             est, se, truth = fit['eff'][g][j], fit['eff_se'][g][j], EFF[g][j]
@@ -147,7 +148,7 @@ def test_law_fit_says_when_the_form_does_not_describe_the_runs():
     (b g = 0.149) cannot follow a 44% fall over 3.8x the data with E >= 0, so the fit puts E
     below zero and drops the N term, and says both."""
     cells = [('bf16', N, D, L) for N in (30e6, 50e6, 100e6) for D, L in ((13e6, 4.0), (50e6, 2.25))]
-    fit = analysis.fit_law(cells, exponents='quartet')
+    fit = law.fit_law(cells, exponents='quartet')
     assert fit['params']['E'] < 0 and any('E = ' in p for p in fit['problems']), fit['problems']
     assert any('A / N^a' in p for p in fit['problems']), fit['problems']
     # the law's own losses raise nothing (test_law_fit_recovers_known_parameters), nor a fit that is
@@ -155,7 +156,7 @@ def test_law_fit_says_when_the_form_does_not_describe_the_runs():
     rng = np.random.default_rng(3)
     noisy = [(g, N, D, L + rng.normal(0, 0.003))
              for g, N, D, L in means(synthetic_cells(TRUE, [30e6, 50e6, 100e6], [25e6, 50e6]))]
-    assert analysis.fit_law(noisy)['problems'] == []
+    assert law.fit_law(noisy)['problems'] == []
 
 def test_law_fit_bounds_an_effective_factor_the_data_leave_free():
     """A recipe whose losses are the law without its N term (effN -> infinity): the fit stops
@@ -165,8 +166,8 @@ def test_law_fit_bounds_an_effective_factor_the_data_leave_free():
     for N in (30e6, 100e6):
         for D in (25e6, 50e6):
             cells.append(('x', N, D, (TRUE['B'] / D ** TRUE['b']) ** TRUE['g'] + TRUE['E']))
-    fit = analysis.fit_law(cells)
-    assert fit['eff']['x'][0] == pytest.approx(math.exp(analysis.LOG_EFF_BOUND))
+    fit = law.fit_law(cells)
+    assert fit['eff']['x'][0] == pytest.approx(math.exp(law.LOG_EFF_BOUND))
     assert any('x at the' in p and 'not pinned' in p for p in fit['problems']), fit['problems']
 
 def test_report_fits_no_factors_for_a_recipe_at_one_size(tmp_path):
@@ -177,7 +178,7 @@ def test_report_fits_no_factors_for_a_recipe_at_one_size(tmp_path):
         N = study.n_params(size, 512)
         for D in (12.5e6, 25e6):
             for group in ('bf16', 'quartet') if size == '30m' else ('bf16',):
-                L = float(analysis.law_loss(N, D, TRUE, *EFF[group]))
+                L = float(law.law_loss(N, D, TRUE, *EFF[group]))
                 run = study.Run(size, D, group, 0, '')
                 study.write_json(str(tmp_path / f'{run.id}.json'), dict(
                     id=run.id, group=group, recipe=group, variant='', seed=0, model_size=size, tokens=D,
@@ -333,7 +334,7 @@ def test_report_fits_the_law_from_run_records(tmp_path):
                 shift = rng.normal(0, 0.002)  # what a seed does to every recipe
                 for group, (en, ed) in eff.items():
                     recipe, _, variant = group.partition('+')
-                    L = float(analysis.law_loss(N, D, TRUE, en, ed)) + shift + rng.normal(0, 0.002)
+                    L = float(law.law_loss(N, D, TRUE, en, ed)) + shift + rng.normal(0, 0.002)
                     run = study.Run(size, D, recipe, seed, variant)
                     curve = dict(train_loss=list(np.linspace(8, L, 50)), val_steps=[0, 25, 50],
                                  val_loss=[8.0, (8 + L) / 2, L])
@@ -351,8 +352,8 @@ def test_report_fits_the_law_from_run_records(tmp_path):
     md = (tmp_path / 'report.md').read_text()
     assert "exponents fixed to Quartet's BF16 fit" in md and '| quartet | 0.' in md
     assert 'Variants against their own recipe' in md and '| 100m | 25M | quartet+x |' in md
-    n, law = study.n_params('30m', 512), analysis.QUARTET_LAW  # the published law's own prediction
-    pred = analysis.law_loss(n, 12.5e6, law, 0.658, 0.822) / analysis.law_loss(n, 12.5e6, law) - 1
+    n, published = study.n_params('30m', 512), law.QUARTET_LAW  # the published law's own prediction
+    pred = law.law_loss(n, 12.5e6, published, 0.658, 0.822) / law.law_loss(n, 12.5e6, published) - 1
     assert f'quartet at 30m, 12.5M: {100 * pred:+.2f}% predicted' in md and 0.01 < pred < 0.05
     for png in ('law.png', 'curves_30m_12.5M.png', 'curves_100m_25M.png'):
         assert (tmp_path / png).stat().st_size > 10_000
