@@ -220,17 +220,19 @@ def curve_gaps(records):
                                 ref_loss=statistics.fmean(lb for lb, _ in at), gaps=[lq / lb - 1 for lb, lq in at]))
     return out
 
-def curve_gap_table(records):
-    gaps = curve_gaps(records)
-    if not gaps:
+def md_table(intro, columns, rows):
+    """A paragraph and a markdown table under it ('' without rows); rows: lists of cell strings."""
+    if not rows:
         return ''
-    lines = ['Each FP4 recipe\'s gap along the curve (the evals\' per-seed batches, paired by seed): compare '
-             'the gaps at equal reference loss to tell the loss reached from the optimizer and schedule.', '',
-             '| size | tokens | recipe | against | step | reference val loss | gap per seed |', '|---|---|---|---|---|---|---|']
-    for g in gaps:
-        lines.append(f"| {g['size']} | {tokens_label(g['tokens'])} | {g['group']} | {g['ref']} | {g['step']} | "
-                     f"{g['ref_loss']:.3f} | {', '.join(f'{100 * x:+.2f}%' for x in g['gaps'])} |")
-    return '\n'.join(lines) + '\n'
+    lines = [intro, '', '| ' + ' | '.join(columns) + ' |', '|' + '---|' * len(columns)]
+    return '\n'.join(lines + ['| ' + ' | '.join(map(str, r)) + ' |' for r in rows]) + '\n'
+
+def curve_gap_table(records):
+    return md_table('Each FP4 recipe\'s gap along the curve (the evals\' per-seed batches, paired by seed): compare '
+                    'the gaps at equal reference loss to tell the loss reached from the optimizer and schedule.',
+                    ['size', 'tokens', 'recipe', 'against', 'step', 'reference val loss', 'gap per seed'],
+                    [[g['size'], tokens_label(g['tokens']), g['group'], g['ref'], g['step'], f"{g['ref_loss']:.3f}",
+                      ', '.join(f'{100 * x:+.2f}%' for x in g['gaps'])] for g in curve_gaps(records)])
 
 ABLATION = 'no_'  # an ablation's variant names the part it leaves out (fullstack+no_lora)
 
@@ -259,18 +261,11 @@ def equal_coverage_pairs(records):
     return out
 
 def equal_coverage_table(records):
-    pairs = equal_coverage_pairs(records)
-    if not pairs:
-        return ''
-    lines = ['FP4 recipes against each other at equal FP4 coverage, under the same optimizer (the same bf16 '
-             'reference), paired by seed: the gap is L(recipe) / L(against) - 1; negative: the recipe is closer '
-             'to bf16.', '', '| size | tokens | FP4 blocks | recipe | against | gap | 95% interval | both against |',
-             '|---|---|---|---|---|---|---|---|']
-    for p in pairs:
-        gap, interval = fmt_gap(p['gap'])
-        lines.append(f"| {p['size']} | {tokens_label(p['tokens'])} | {p['blocks']} | {p['group']} | {p['against']} "
-                     f"| {gap} | {interval} | {p['ref']} |")
-    return '\n'.join(lines) + '\n'
+    return md_table('FP4 recipes against each other at equal FP4 coverage, under the same optimizer (the same bf16 '
+                    'reference), paired by seed: the gap is L(recipe) / L(against) - 1; negative: the recipe is closer '
+                    'to bf16.', ['size', 'tokens', 'FP4 blocks', 'recipe', 'against', 'gap', '95% interval', 'both against'],
+                    [[p['size'], tokens_label(p['tokens']), p['blocks'], p['group'], p['against'], *fmt_gap(p['gap']),
+                      p['ref']] for p in equal_coverage_pairs(records)])
 
 def fmt_gap(gap):
     if gap is None or gap['n'] == 0:
