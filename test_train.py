@@ -332,8 +332,19 @@ def test_resume_fullstack_carries_lora(corpus, tmp_path):
     log = (tmp_path / 'full' / 'train.log').read_text()
     assert 'step 0: LoRA-SVD refit of 12 linears' in log and 'step 3: LoRA-SVD refit of 12 linears' in log
     assert 'never refit' not in log  # 4 steps, a refit every 3: the warning is for runs no longer than that
-    assert ('warning: L (LoRA-SVD) is fitted at step 0, to the initial weights, and never refit: max_iters 2 '
-            '<= lora_refit_interval 3') in (tmp_path / 'part' / 'train.log').read_text()
+    assert ('warning: L (LoRA-SVD) is fitted at step 0, to the initial weights, and never refit: max_iters 2, '
+            'lora_refit_interval 3, lora_refit_first 50') in (tmp_path / 'part' / 'train.log').read_text()
+
+def test_lora_refit_schedule():
+    """Refits at 0 and every interval, and below the first interval at first, 2 first, 4 first, ..."""
+    def due(steps, interval, first):
+        return [t for t in range(steps) if train.lora_refit_due(t, interval, first)]
+    assert due(9000, 4000, 50) == [0, 50, 100, 200, 400, 800, 1600, 3200, 4000, 8000]
+    assert due(400, 50, 50) == list(range(0, 400, 50))  # the study's refit50 runs
+    assert due(400, 100, 30) == [0, 30, 60, 100, 200, 300]  # 120 = 4 first is past the interval
+    assert due(20, 7, 0) == [0, 7, 14]  # no early refits
+    assert due(20, 5, 8) == [0, 5, 10, 15]  # first >= interval: none below it
+    assert due(20, 0, 1) == [] and due(20, -1, 1) == []  # L never fitted
 
 
 @needs_fp4

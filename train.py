@@ -59,6 +59,7 @@ n_kv_head = 0             # 0: as many kv heads as query heads; fewer: GQA
 recipe = 'quartet'        # one of model.RECIPES
 lora_rank = 0             # fullstack: rank of the BF16 part; 0: the default rule, -1: none
 lora_refit_interval = 4000  # fullstack: refit L by randomized SVD every this many steps (and at 0)
+lora_refit_first = 50     # fullstack: also refit at this step and each doubling of it below the interval (0: none)
 end_blocks = 'auto'       # one of model.END_BLOCKS: 'bf16' keeps the first and last blocks in BF16 (nvfp4's rule), 'fp4' runs them FP4 too
 attention = 'bf16'        # one of model.ATTENTIONS: 'nvfp4' is FP4 attention (attention.py), any recipe
 loss_chunk = 0            # > 0: cross-entropy over the lm_head this many tokens at a time (the logits never whole)
@@ -403,6 +404,22 @@ def split_loss(model, val, ctx, rank, world):
     if dist.is_initialized():
         dist.all_reduce(total)
     return (total / (n_batches * world)).item(), n_batches * world * per_batch
+
+def lora_refit_due(step, interval, first):
+    """Whether fullstack refits L (SPEC.md 8.4) before this step: at 0 and every `interval` steps
+    (the paper's schedule), and below the first interval also at first, 2 first, 4 first, ...
+    The fit at step 0 is of the random init, whose top directions the trained W does not keep
+    (README, "How stale L gets": it cuts the FP4 error by 1.1%, a refit by 56.9%), and W's top
+    directions form early and then hold (an L fitted 80 steps before keeps 82% of a refit's
+    cut): so refits come often at first and then spread out. interval <= 0: never (L stays 0)."""
+    if interval <= 0:
+        return False
+    if step % interval == 0:
+        return True
+    if first <= 0 or step >= interval or step < first or step % first:
+        return False
+    ratio = step // first
+    return ratio & (ratio - 1) == 0  # a power of two
 
 def get_lr(it, warmup, decay_iters):
     """Linear warmup, then cosine down to learning_rate * min_lr_frac."""
@@ -949,13 +966,15 @@ def main(argv=None):
     if epochs > 1:
         log(f'warning: the run repeats its training data: {max_iters} steps read {epochs:.2f} epochs '
             f"of the {len(data['train']):,}-token train split")
-    if recipe == 'fullstack' and lora_rank != -1 and max_iters <= max(lora_refit_interval, 0):
-        log(f'warning: L (LoRA-SVD) is fitted at step 0, to the initial weights, and never refit: max_iters '
-            f'{max_iters} <= lora_refit_interval {lora_refit_interval}. The trained W soon has other top '
-            f'directions (README: "How stale L gets"); --lora_refit_interval={max(1, max_iters // 8)} refits it 8 times')
-    elif recipe == 'fullstack' and lora_rank != -1 and lora_refit_interval <= 0:
+    refits = [t for t in range(1, max_iters) if lora_refit_due(t, lora_refit_interval, lora_refit_first)]
+    if recipe == 'fullstack' and lora_rank != -1 and lora_refit_interval <= 0:
         log(f'warning: lora_refit_interval {lora_refit_interval}: L is never fitted, so it stays 0 '
             '(the low-rank part does nothing; --lora_rank=-1 says so)')
+    elif recipe == 'fullstack' and lora_rank != -1 and not refits:
+        log(f'warning: L (LoRA-SVD) is fitted at step 0, to the initial weights, and never refit: max_iters '
+            f'{max_iters}, lora_refit_interval {lora_refit_interval}, lora_refit_first {lora_refit_first}. '
+            f'The trained W soon has other top directions (README: "How stale L gets"); '
+            f'--lora_refit_interval={max(1, max_iters // 8)} refits it 8 times')
     if eval_split_tokens > 0:
         split_batches(len(data['val']), world)  # fail now, not after the run
     raw_model, model_args, optimizer, iter_num, history = init_run(rank, meta)
@@ -994,7 +1013,7 @@ def main(argv=None):
             lr = get_lr(iter_num, warmup, decay_iters)
             for group in optimizer.param_groups:
                 group['lr'] = lr
-            if recipe == 'fullstack' and lora_refit_interval > 0 and iter_num % lora_refit_interval == 0:
+            if recipe == 'fullstack' and lora_refit_due(iter_num, lora_refit_interval, lora_refit_first):
                 import fp4  # L = the top-r part of W, fixed until the next refit (SPEC.md 8.4)
                 n_refit = fp4.refit_lora(raw_model, seed=iter_num)
                 log(f'step {iter_num}: LoRA-SVD refit of {n_refit} linears')
