@@ -75,6 +75,11 @@ class GPTConfig:
 # 'tiny' is for CPU runs and tests: d 128, SwiGLU hidden 512, still FP4-compatible.
 SIZES = {
     'tiny': dict(n_layer=3, n_head=2, n_embd=128, block_size=128),
+    # below Quartet's shapes, six blocks like its 30M: the study's law fit wants runs at 5-20
+    # tokens a parameter, which for these fit in minutes (the 100K-vocab head is most of a step)
+    '5m':   dict(n_layer=6, n_head=2, n_embd=256),
+    '11m':  dict(n_layer=6, n_head=3, n_embd=384),
+    '20m':  dict(n_layer=6, n_head=4, n_embd=512),
     '30m':  dict(n_layer=6, n_head=5, n_embd=640),
     '50m':  dict(n_layer=7, n_head=6, n_embd=768),
     '100m': dict(n_layer=8, n_head=8, n_embd=1024),
@@ -267,8 +272,10 @@ class GPT(nn.Module):
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, kv_cache=True):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, kv_cache=True, n_vocab=None):
         """Sample max_new_tokens after idx (B, T); temperature 0 picks the most likely token.
+        n_vocab: sample only ids below it, the tokenizer's (the model's vocab_size is padded to a
+        multiple of 128; an undertrained model can put mass on the ids past the tokenizer's).
         With kv_cache each step runs only the newest position against the cached keys and
         values. Past block_size the window slides, which moves every position's RoPE angle,
         so from then on each step recomputes the window, as nanoGPT does without a cache. Both
@@ -284,7 +291,7 @@ class GPT(nn.Module):
                     logits, _ = self(idx, cache=cache)
                 else:
                     logits, _ = self(idx[:, -1:], cache=cache)
-                idx = torch.cat((idx, next_token(logits[:, -1, :], temperature, top_k)), dim=1)
+                idx = torch.cat((idx, next_token(logits[:, -1, :n_vocab], temperature, top_k)), dim=1)
         return idx
 
 # -----------------------------------------------------------------------------

@@ -126,7 +126,8 @@ def generate_text(model, meta, prompt, num_samples, max_new_tokens, temperature=
     with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []), ctx:
         torch.manual_seed(seed)
         model.eval()
-        out = model.generate(idx, max_new_tokens, temperature, top_k or None, kv_cache)
+        out = model.generate(idx, max_new_tokens, temperature, top_k or None, kv_cache,
+                             n_vocab=meta.get('vocab_size'))  # the tokenizer's ids only
         model.train(was_training)
     return [decode(row[1:].tolist()) for row in out]
 

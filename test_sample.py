@@ -49,6 +49,20 @@ def test_kv_cache_logits_match_the_full_forward():
     with pytest.raises(AssertionError, match='sequence of 17 > block_size 16'):
         m(seq[:, :1], cache=cache)
 
+def test_generate_samples_only_the_tokenizers_ids():
+    """The padded head's last ids are no token: with n_vocab they are never sampled. Here the
+    model is made to prefer them (their lm_head rows large), so without it they come out."""
+    m = tiny('bf16')
+    with torch.no_grad():
+        m.lm_head.weight[200:] *= 40
+    idx = torch.randint(0, 200, (4, 3), generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(0)
+    assert (m.generate(idx, 12)[:, 3:] >= 200).any()  # the premise: unmasked, they are sampled
+    for temperature in (1.0, 0):
+        torch.manual_seed(0)
+        out = m.generate(idx, 12, temperature=temperature, n_vocab=200)[:, 3:]
+        assert out.max() < 200, out
+
 # -----------------------------------------------------------------------------
 # FP4 layers on token counts their recipe does not divide
 
