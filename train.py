@@ -970,11 +970,12 @@ def main(argv=None):
     if recipe == 'fullstack' and lora_rank != -1 and lora_refit_interval <= 0:
         log(f'warning: lora_refit_interval {lora_refit_interval}: L is never fitted, so it stays 0 '
             '(the low-rank part does nothing; --lora_rank=-1 says so)')
-    elif recipe == 'fullstack' and lora_rank != -1 and not refits:
+    elif recipe == 'fullstack' and lora_rank != -1 and not refits and max_iters > 1:
+        every = max(1, max_iters // 8)
         log(f'warning: L (LoRA-SVD) is fitted at step 0, to the initial weights, and never refit: max_iters '
             f'{max_iters}, lora_refit_interval {lora_refit_interval}, lora_refit_first {lora_refit_first}. '
             f'The trained W soon has other top directions (README: "How stale L gets"); '
-            f'--lora_refit_interval={max(1, max_iters // 8)} refits it 8 times')
+            f'--lora_refit_interval={every} refits it {(max_iters - 1) // every} times')
     if eval_split_tokens > 0:
         split_batches(len(data['val']), world)  # fail now, not after the run
     raw_model, model_args, optimizer, iter_num, history = init_run(rank, meta)
