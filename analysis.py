@@ -302,20 +302,28 @@ def gap_table(rows):
                      f"| {fmt_eval(r)} | {r['tokens_per_s']:,.0f} |")
     return '\n'.join(lines)
 
-def law_section(records, exponents='auto', n_boot=200):
-    """The fit over the val-loss means of every (group, N, D) cell; markdown and numbers."""
-    seed_losses = {}
+def law_section(records, exponents='auto', n_boot=200, min_tokens_per_param=0.0):
+    """The fit over the val-loss means of every (group, N, D) cell; markdown and numbers.
+    Cells below min_tokens_per_param are left out: early in training the loss falls with D much
+    faster than the law's form allows (README, "Law fit, H200")."""
+    seed_losses, below = {}, []  # below: cells in by_cell's order (N, then D)
     for (size, tokens), groups in by_cell(records).items():
         for group, runs in groups.items():
             losses = val_losses(runs, loss_key(groups))
             if losses:
                 n = next(iter(runs.values()))['n_params']
+                if tokens / n < min_tokens_per_param:
+                    below += [(size, tokens)] if (size, tokens) not in below else []
+                    continue
                 seed_losses[(group, n, tokens)] = losses
+    left_out = (f' Left out: the {len(below)} cells below {min_tokens_per_param:g} tokens a parameter '
+                f"({', '.join(f'{s} {tokens_label(t)}' for s, t in below)})."
+                if below else '')
     ref = [k for k in seed_losses if k[0] == REFERENCE]
     sizes, budgets = len({k[1] for k in ref}), len({k[2] for k in ref})
     if sizes < 3 or budgets < 2:
         return (f'Law fit: not yet; it needs {REFERENCE} runs at >= 3 sizes x >= 2 token budgets, '
-                f'there are {sizes} x {budgets}.'), None
+                f'there are {sizes} x {budgets}.{left_out}'), None
     spans = {}  # group: (its sizes, its budgets)
     for g, n, d in seed_losses:
         spans.setdefault(g, (set(), set()))
@@ -332,7 +340,7 @@ def law_section(records, exponents='auto', n_boot=200):
     p = fit['params']
     lines = [f"Law fit over {fit['n']} cells (mean val loss over seeds): {fit['note']}. "
              f"A = {p['A']:.4g}, a = {p['a']:.4f}, B = {p['B']:.4g}, b = {p['b']:.4f}, "
-             f"g = {p['g']:.4f}, E = {p['E']:.4f}; rms residual {fit['rms']:.4f} nats."]
+             f"g = {p['g']:.4f}, E = {p['E']:.4f}; rms residual {fit['rms']:.4f} nats.{left_out}"]
     if unfit:
         by_span = {}
         for g in group_order(unfit):
@@ -456,13 +464,14 @@ def published_law_gaps(rows):
     return ("Quartet's published law (C4 constants, effN 0.658, effD 0.822) at these N and D: "
             + ('; '.join(out) if out else 'no quartet cell with a gap yet') + '.')
 
-def report(directory, exponents='auto', n_boot=200, log=print):
-    """Write directory/report.md (the tables the README includes), report.json and the PNGs."""
+def report(directory, exponents='auto', n_boot=200, log=print, min_tokens_per_param=0.0):
+    """Write directory/report.md (the tables the README includes), report.json and the PNGs;
+    the law is fitted to the cells at min_tokens_per_param or more."""
     records = load_records(directory)
     if not records:
         raise FileNotFoundError(f'no run JSONs in {directory}: run `python study.py run` first')
     rows = gap_rows(records)
-    law_md, fit = law_section(records, exponents, n_boot)
+    law_md, fit = law_section(records, exponents, n_boot, min_tokens_per_param)
     cells = by_cell(records)
     pngs = []
     for (size, tokens), groups in cells.items():

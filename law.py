@@ -171,7 +171,8 @@ def fit_auto(cells, ref=REFERENCE, max_rel_se=0.3):
         if all(np.isfinite(rel)) and max(rel) < max_rel_se:
             free['note'] = f'exponents a, b, g fitted ({why})'
             return free
-        why += f'; fitted exponents had relative standard errors up to {max(rel):.2f}'
+        why += (f'; fitted exponents had relative standard errors up to {max(rel):.2f}' if all(np.isfinite(rel))
+                else '; the fitted exponents had no finite standard errors')
     fixed['note'] = (f"exponents fixed to Quartet's BF16 fit (a={QUARTET_LAW['a']}, "
                      f"b={QUARTET_LAW['b']}, g={QUARTET_LAW['g']}): the data ({why}) cannot pin them")
     return fixed

@@ -494,11 +494,13 @@ def main(argv=None):
     p.add_argument('--law', default='auto', choices=('auto', 'quartet', 'free'),
                    help="exponents: fitted where the data pins them (auto), Quartet's, or fitted")
     p.add_argument('--boot', type=int, default=200, help='bootstrap resamples for effN, effD')
+    p.add_argument('--law_min_tpp', type=float, default=0.0,
+                   help='fit the law only to the cells with at least this many tokens a parameter')
     args = parser.parse_args(argv)
     directory = args.results or default_dir()
     if args.command == 'report':
         import analysis  # the analysis reads this module's records (analysis.py imports study)
-        analysis.report(directory, args.law, args.boot)
+        analysis.report(directory, args.law, args.boot, min_tokens_per_param=args.law_min_tpp)
         return 0
     runs = grid(args.recipes.split(','), [int(s) for s in args.seeds.split(',')],
                 args.sizes.split(','), [float(t) for t in args.tokens.split(',')], args.variant, flags)

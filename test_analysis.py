@@ -190,6 +190,30 @@ def test_report_fits_no_factors_for_a_recipe_at_one_size(tmp_path):
     md = (tmp_path / 'report.md').read_text()
     assert 'at 1 size x 2 budgets: quartet' in md and '| quartet | ' not in md.split('Law fit')[1]
 
+def test_law_fit_leaves_out_the_cells_below_a_token_ratio(tmp_path):
+    """bf16 at 3 sizes x 3 budgets of the law, plus a 4th budget far off it (what the earliest
+    steps of training look like): with it the fit is poor; left out by min_tokens_per_param,
+    the fit recovers the law's values, and the report names the cells it left out."""
+    sizes, budgets, early = ('30m', '50m', '100m'), (25e6, 50e6, 100e6), 3e6
+    for size in sizes:
+        N = study.n_params(size, 512)
+        for D in budgets + (early,):
+            L = float(law.law_loss(N, D, TRUE)) + (1.5 if D == early else 0.0)
+            run = study.Run(size, D, 'bf16', 0, '')
+            study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+                id=run.id, group='bf16', recipe='bf16', variant='', seed=0, model_size=size, tokens=D,
+                n_params=N, epochs=0.1, status='ok', val_loss=L, val_loss_se=0.001, tokens_per_s=1e5,
+                git_commit='abc', corpus=dict(train_sha1='f00'),
+                curve=dict(train_loss=[8.0, L], val_steps=[0, 50], val_loss=[8.0, L])))
+    _, every = analysis.report(str(tmp_path), n_boot=10, log=lambda m: None)
+    assert every['n'] == 12 and every['rms'] > 0.05
+    cutoff = 0.2  # tokens a parameter: the early budget is below it at every size, the others above
+    assert early / study.n_params('30m', 512) < cutoff < 25e6 / study.n_params('100m', 512)
+    _, fit = analysis.report(str(tmp_path), n_boot=10, log=lambda m: None, min_tokens_per_param=cutoff)
+    assert fit['n'] == 9 and fit['rms'] < 1e-3, fit
+    md = (tmp_path / 'report.md').read_text()
+    assert 'Left out: the 3 cells below 0.2 tokens a parameter (30m 3M, 50m 3M, 100m 3M).' in md
+
 def test_report_pairs_an_fp4_variant_with_its_twin(tmp_path):
     """bf16+root_fp4 (and root_fp4x2) against bf16+root (the twin: the same optimizer without
     FP4), paired by seed: the mean of the per-seed ratios; a variant without a twin gets none."""
