@@ -366,6 +366,10 @@ def make_record(run, cfg, rc, wall_s, context):
         return None
     line = re.search(r'^python .*$', logs, re.M)
     rec['versions'] = line.group(0) if line else None
+    # every train.py setting as the run resolved it, its defaults included (train_config holds
+    # only what the study set): a default that changes later does not blur what a record ran
+    line = re.search(r'^config: (\{.*\})$', logs, re.M)
+    rec['resolved_config'] = json.loads(line.group(1)) if line else None
     return rec
 
 def run_study(runs, directory, base_flags=(), settings=SETTINGS, jobs=1, budget_s=None,

@@ -251,6 +251,9 @@ def test_study_end_to_end(tmp_path):
         assert 0 < rec['val_loss_se'] < 1
         assert rec['n_params'] == GPT(config_for('tiny', vocab_size=256)).get_num_params()
         assert rec['git_commit'] and rec['corpus']['train_tokens'] == 2000
+        resolved = rec['resolved_config']  # train.py's defaults too, as the run had them
+        assert resolved['recipe'] == rec['recipe'] and resolved['max_iters'] == 8
+        assert resolved['lora_refit_first'] == train.lora_refit_first and 'lora_refit_first' not in rec['train_config']
         log = open(os.path.join(tmp_path, 'work', rec['id'], 'train.log')).read()
         assert 'warning: the run repeats its training data: 8 steps read 1.02 epochs' in log
     rows, fit = analysis.report(results, log=lambda m: None)
