@@ -313,7 +313,8 @@ def law_section(records, exponents='auto', n_boot=200, min_tokens_per_param=0.0)
             if losses:
                 n = next(iter(runs.values()))['n_params']
                 if tokens / n < min_tokens_per_param:
-                    below += [(size, tokens)] if (size, tokens) not in below else []
+                    if (size, tokens) not in below:
+                        below.append((size, tokens))
                     continue
                 seed_losses[(group, n, tokens)] = losses
     left_out = (f' Left out: the {len(below)} cells below {min_tokens_per_param:g} tokens a parameter '

@@ -966,11 +966,11 @@ def main(argv=None):
     if epochs > 1:
         log(f'warning: the run repeats its training data: {max_iters} steps read {epochs:.2f} epochs '
             f"of the {len(data['train']):,}-token train split")
-    refits = [t for t in range(1, max_iters) if lora_refit_due(t, lora_refit_interval, lora_refit_first)]
+    first_refit = min(lora_refit_first, lora_refit_interval) if lora_refit_first > 0 else lora_refit_interval
     if recipe == 'fullstack' and lora_rank != -1 and lora_refit_interval <= 0:
         log(f'warning: lora_refit_interval {lora_refit_interval}: L is never fitted, so it stays 0 '
             '(the low-rank part does nothing; --lora_rank=-1 says so)')
-    elif recipe == 'fullstack' and lora_rank != -1 and not refits and max_iters > 1:
+    elif recipe == 'fullstack' and lora_rank != -1 and 1 < max_iters <= first_refit:
         every = max(1, max_iters // 8)
         log(f'warning: L (LoRA-SVD) is fitted at step 0, to the initial weights, and never refit: max_iters '
             f'{max_iters}, lora_refit_interval {lora_refit_interval}, lora_refit_first {lora_refit_first}. '
