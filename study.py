@@ -156,11 +156,13 @@ def n_params(size, block_size, vocab_size=100352):
 # -----------------------------------------------------------------------------
 # records: one JSON a finished run; resuming
 
-def gpu_slug():
-    return torch.cuda.get_device_name().lower().replace(' ', '-') if torch.cuda.is_available() else 'cpu'
+def gpu_slug(name=None):
+    """'NVIDIA H200' -> 'nvidia-h200': this machine's GPU (or 'cpu'), or the device a record names."""
+    name = name or (torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')
+    return name.lower().replace(' ', '-')
 
-def default_dir():
-    return os.path.join(HERE, 'results', gpu_slug(), 'study')
+def default_dir(device=None):
+    return os.path.join(HERE, 'results', gpu_slug(device), 'study')
 
 def load_records(directory):
     """{run id: record} of every run JSON in directory."""
@@ -202,6 +204,61 @@ def write_bundle(directory, path):
     with tarfile.open(path + '.tmp', 'w:gz') as tar:
         tar.add(directory, arcname=os.path.basename(directory))
     os.replace(path + '.tmp', path)
+
+def merge(bundles, directory=None, log=print):
+    """Bring the run JSONs of --bundle archives into directory (default: results/<the device each
+    record names>/study), the way results come back from a GPU machine: a run not there is added;
+    a run there is never replaced (finished runs are never rerun or overwritten). A bundle's record
+    of an id held with other content is a rerun of it (made on a machine that lacked the first):
+    it goes to <directory>_repeats/ as <id>.<n>.json, to show how far a rerun moves the loss.
+    Reads the archives without extracting them. Returns (added, same, reruns): run ids."""
+    records = {}  # directory -> its records, loaded once
+    added, same, reruns = [], [], []
+    for path in bundles:
+        with tarfile.open(path) as tar:
+            for member in tar.getmembers():
+                name = os.path.basename(member.name)
+                if not (member.isfile() and name.endswith('.json') and name != 'report.json'):
+                    continue
+                rec = json.load(tar.extractfile(member))
+                if not (isinstance(rec, dict) and isinstance(rec.get('id'), str) and rec['id'] + '.json' == name):
+                    raise ValueError(f'{path}: {member.name} is not a study run record (no id naming the file)')
+                target = directory or default_dir(rec.get('device'))
+                if target not in records:
+                    records[target] = load_records(target)
+                repeats_dir = target.rstrip(os.sep) + '_repeats'
+                kept, earlier = records[target].get(rec['id']), _reruns(repeats_dir, rec['id'])
+                if kept is None:
+                    os.makedirs(target, exist_ok=True)
+                    write_json(os.path.join(target, name), rec)
+                    records[target][rec['id']] = rec
+                    added.append(rec['id'])
+                elif rec == kept or rec in earlier:
+                    same += [rec['id']] if rec['id'] not in same else []
+                else:
+                    os.makedirs(repeats_dir, exist_ok=True)
+                    n = len(earlier) + 1
+                    while os.path.exists(os.path.join(repeats_dir, f"{rec['id']}.{n}.json")):
+                        n += 1
+                    write_json(os.path.join(repeats_dir, f"{rec['id']}.{n}.json"), rec)
+                    reruns.append(rec['id'])
+                    a, b = (r.get('val_loss_split') or r.get('val_loss') for r in (kept, rec))
+                    log(f"{rec['id']}: a rerun, kept apart in {repeats_dir}"
+                        + (f'; val loss {a:.4f} recorded, {b:.4f} rerun ({b / a - 1:+.2%})' if a and b else ''))
+    log(f"{', '.join(sorted(records)) or 'nothing'}: {len(added)} runs added, {len(same)} already there, "
+        f'{len(reruns)} reruns kept apart')
+    return added, same, reruns
+
+def _reruns(repeats_dir, run_id):
+    """The reruns of run_id that merge kept in repeats_dir, in the order they came."""
+    if not os.path.isdir(repeats_dir):
+        return []
+    out = []
+    for fn in sorted(os.listdir(repeats_dir)):
+        if fn.startswith(run_id + '.') and fn.endswith('.json'):
+            with open(os.path.join(repeats_dir, fn)) as f:
+                out.append(json.load(f))
+    return out
 
 # -----------------------------------------------------------------------------
 # running: subprocesses of train.py, a time budget, the record
@@ -493,6 +550,9 @@ def main(argv=None):
         p.add_argument('--data_dir', default='', help="train.py's data_dir for every run")
         p.add_argument('--results', default=None, help='default: results/<gpu>/study')
         p.add_argument('--inprocess', action='store_true', help='run train.main here (no subprocess)')
+    p = sub.add_parser('merge', help="add the runs of --bundle archives to the results (never replacing one)")
+    p.add_argument('bundles', nargs='+', help='.tar.gz files written by study.py run --bundle')
+    p.add_argument('--results', default=None, help="default: results/<each run's gpu>/study")
     p = sub.add_parser('report', help='tables, curves and the law fit from the run JSONs')
     p.add_argument('--results', default=None, help='default: results/<gpu>/study')
     p.add_argument('--law', default='auto', choices=('auto', 'quartet', 'free'),
@@ -502,6 +562,9 @@ def main(argv=None):
                    help='fit the law only to the cells with at least this many tokens a parameter')
     args = parser.parse_args(argv)
     directory = args.results or default_dir()
+    if args.command == 'merge':
+        merge(args.bundles, args.results)
+        return 0
     if args.command == 'report':
         import analysis  # the analysis reads this module's records (analysis.py imports study)
         analysis.report(directory, args.law, args.boot, min_tokens_per_param=args.law_min_tpp)

@@ -159,6 +159,43 @@ def test_budget_waits_rather_than_skips_when_sharing_is_what_does_not_fit(tmp_pa
     assert started == [f'tiny-10K-bf16-s{i}' for i in range(3)] and [r.id for r in left] == ['tiny-10K-bf16-s3']
     assert [r['jobs'] for r in new] == [1, 1, 1]
 
+def test_merge_adds_new_runs_and_keeps_reruns_apart(tmp_path):
+    """study.py merge: a bundle's runs not in the results are added; one there is never replaced;
+    the same id with other content (a rerun) goes to <results>_repeats/ once, however often
+    merged; a JSON that is not a run record is an error naming it."""
+    import tarfile
+    res, machine = str(tmp_path / 'study'), str(tmp_path / 'machine' / 'study')
+    os.makedirs(res)
+    os.makedirs(machine)
+    def rec(run_id, loss):
+        return dict(id=run_id, status='ok', val_loss=loss, val_loss_split=loss - 0.1, device='cpu')
+    study.write_json(os.path.join(res, 'a.json'), rec('a', 3.0))
+    study.write_json(os.path.join(res, 'b.json'), rec('b', 3.2))
+    for r in (rec('a', 3.0), rec('b', 3.3), rec('c', 2.9)):  # a: the same; b: a rerun; c: new
+        study.write_json(os.path.join(machine, r['id'] + '.json'), r)
+    study.write_json(os.path.join(machine, 'report.json'), dict(tables=[]))  # not a run: ignored
+    bundle = str(tmp_path / 'study.tgz')
+    study.write_bundle(machine, bundle)
+    logs = []
+    assert study.merge([bundle], res, log=logs.append) == (['c'], ['a'], ['b'])
+    assert study.load_records(res) == {'a': rec('a', 3.0), 'b': rec('b', 3.2), 'c': rec('c', 2.9)}
+    with open(os.path.join(res + '_repeats', 'b.1.json')) as f:
+        assert json.load(f) == rec('b', 3.3)
+    assert 'val loss 3.1000 recorded, 3.2000 rerun (+3.23%)' in logs[0]
+    assert study.merge([bundle, bundle], res, log=logs.append) == ([], ['a', 'b', 'c'], [])
+    assert sorted(os.listdir(res + '_repeats')) == ['b.1.json']
+    study.write_json(os.path.join(machine, 'b.json'), rec('b', 3.4))  # a second, other rerun
+    study.write_bundle(machine, bundle)
+    assert study.merge([bundle], res, log=logs.append)[2] == ['b']
+    assert sorted(os.listdir(res + '_repeats')) == ['b.1.json', 'b.2.json']
+    with open(os.path.join(machine, 'd.json'), 'w') as f:
+        json.dump(dict(id='other'), f)  # the file's name is not its id
+    study.write_bundle(machine, bundle)
+    with pytest.raises(ValueError, match='d.json is not a study run record'):
+        study.merge([bundle], res, log=logs.append)
+    with tarfile.open(bundle) as tar:
+        assert 'study/c.json' in tar.getnames()
+
 def test_estimate_from_finished_runs(tmp_path):
     run = study.grid(['quartet'], [0], ['30m'], [25e6])[0]
     cfg = study.train_config(run)  # 763 steps of 32768 tokens
