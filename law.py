@@ -173,6 +173,9 @@ def fit_auto(cells, ref=REFERENCE, max_rel_se=0.3):
             return free
         why += (f'; fitted exponents had relative standard errors up to {max(rel):.2f}' if all(np.isfinite(rel))
                 else '; the fitted exponents had no finite standard errors')
+        q, se = free['params'], free['exponent_se']
+        why += ('; that fit: ' + ', '.join(f'{n} = {q[n]:.3g} ± {se[n]:.2g}' for n in 'abg')
+                + f", E = {q['E']:.3g}, rms {free['rms']:.3g} nats")
     fixed['note'] = (f"exponents fixed to Quartet's BF16 fit (a={QUARTET_LAW['a']}, "
                      f"b={QUARTET_LAW['b']}, g={QUARTET_LAW['g']}): the data ({why}) cannot pin them")
     return fixed

@@ -96,6 +96,13 @@ def test_law_fit_recovers_known_parameters():
     # 3 sizes x 2 budgets cannot pin the exponents: auto keeps Quartet's and says so
     auto = law.fit_auto(cells)
     assert auto['exponents'] == 'quartet' and 'cannot pin' in auto['note']
+    # 3 x 3 with noise: the free fit is tried, and where its exponents are not pinned the note
+    # gives them with their errors (what the data say, beside the fixed fit used)
+    rng = np.random.default_rng(0)
+    noisy = [(g, N, D, L + rng.normal(0, 0.05)) for g, N, D, L in
+             means(synthetic_cells(TRUE, [30e6, 50e6, 100e6], [13e6, 25e6, 50e6]))]
+    auto = law.fit_auto(noisy)
+    assert auto['exponents'] == 'quartet' and 'that fit: a = ' in auto['note'] and ' ± ' in auto['note'], auto['note']
 
 def test_law_fit_free_exponents():
     """Exponents unlike Quartet's, on 4 sizes x 4 budgets: auto frees and recovers them."""
