@@ -76,7 +76,9 @@ class GPTConfig:
 SIZES = {
     'tiny': dict(n_layer=3, n_head=2, n_embd=128, block_size=128),
     # below Quartet's shapes, six blocks like its 30M: the study's law fit wants runs at 5-20
-    # tokens a parameter, which for these fit in minutes (the 100K-vocab head is most of a step)
+    # tokens a parameter, which for these fit in minutes (the 100K-vocab head is most of a step);
+    # 2m (eight blocks of one 128-wide head) reaches 12-48 tokens a parameter at 25M-100M tokens
+    '2m':   dict(n_layer=8, n_head=1, n_embd=128),
     '5m':   dict(n_layer=6, n_head=2, n_embd=256),
     '11m':  dict(n_layer=6, n_head=3, n_embd=384),
     '20m':  dict(n_layer=6, n_head=4, n_embd=512),

@@ -65,7 +65,7 @@ LAUNCH_ONLY = ('compile_mode',)
 # peak learning rate per size: train.py's 30M default and config/quartet_200m.py's 200M one,
 # interpolated between, and below 30M extended along their slope (about N^-0.26); not tuned per
 # recipe (the same for all: same-token, same-schedule runs)
-LEARNING_RATE = {'tiny': 4e-3, '5m': 2.4e-3, '11m': 2e-3, '20m': 1.7e-3, '30m': 1.5e-3, '50m': 1.25e-3,
+LEARNING_RATE = {'tiny': 4e-3, '2m': 3e-3, '5m': 2.4e-3, '11m': 2e-3, '20m': 1.7e-3, '30m': 1.5e-3, '50m': 1.25e-3,
                  '100m': 1.1e-3, '200m': 1e-3, '430m': 8e-4, '800m': 6e-4, '1b': 6e-4}
 EVALS = 4                   # evals after step 0, evenly spaced: the val curve
 FULL_EVAL_TOKENS = 50e6     # runs this long get SETTINGS' eval_iters a curve eval; shorter ones fewer
