@@ -234,7 +234,8 @@ def merge(bundles, directory=None, log=print):
                     records[target][rec['id']] = rec
                     added.append(rec['id'])
                 elif rec == kept or rec in earlier:
-                    same += [rec['id']] if rec['id'] not in same else []
+                    if rec['id'] not in same:  # each bundle holds the whole results directory
+                        same.append(rec['id'])
                 else:
                     os.makedirs(repeats_dir, exist_ok=True)
                     n = len(earlier) + 1
@@ -250,7 +251,7 @@ def merge(bundles, directory=None, log=print):
     return added, same, reruns
 
 def _reruns(repeats_dir, run_id):
-    """The reruns of run_id that merge kept in repeats_dir, in the order they came."""
+    """The reruns of run_id that merge kept in repeats_dir (in name order)."""
     if not os.path.isdir(repeats_dir):
         return []
     out = []
