@@ -17,7 +17,7 @@ import numpy as np
 
 from law import QUARTET_EFF, QUARTET_LAW, REFERENCE, bootstrap_eff, fit_auto, fit_law, law_loss
 from model import RECIPES, SIZES, fp4_blocks
-from study import LAUNCH_ONLY, load_records, tokens_label, write_json
+from study import LAUNCH_ONLY, load_records, reruns_of, tokens_label, write_json
 
 # every gap is against REFERENCE, bf16 (under the same optimizer, see reference_of); the published
 # gaps a user compares with
@@ -233,6 +233,28 @@ def curve_gap_table(records):
                     ['size', 'tokens', 'recipe', 'against', 'step', 'reference val loss', 'gap per seed'],
                     [[g['size'], tokens_label(g['tokens']), g['group'], g['ref'], g['step'], f"{g['ref_loss']:.3f}",
                       ', '.join(f'{100 * x:+.2f}%' for x in g['gaps'])] for g in curve_gaps(records)])
+
+def rerun_table(directory, records):
+    """The reruns study.merge kept in <directory>_repeats/ against the recorded runs of their
+    ids: how far running the same config and seed again moves the loss (the GPU's sums are not
+    bit-reproducible), a floor under any difference the study can resolve."""
+    rows, changes = [], []
+    for run_id, rec in sorted(records.items()):
+        for rerun in reruns_of(directory.rstrip(os.sep) + '_repeats', run_id):
+            key = 'val_loss_split' if rec.get('val_loss_split') and rerun.get('val_loss_split') else 'val_loss'
+            a, b = rec.get(key), rerun.get(key)
+            if a and b:
+                changes.append(b / a - 1)
+                rows.append([run_id, f'{a:.4f}', f'{b:.4f}', f'{100 * changes[-1]:+.2f}%',
+                             'whole split' if key == 'val_loss_split' else 'per-seed batches'])
+    if not rows:
+        return ''
+    return md_table(f'Reruns: a run id (its config and seed) run again (study.py merge keeps them in '
+                    f'{os.path.basename(directory.rstrip(os.sep))}_repeats/); |change| median '
+                    f'{100 * statistics.median(abs(c) for c in changes):.2f}%, largest '
+                    f'{100 * max(abs(c) for c in changes):.2f}%, over {len(changes)} pairs. Seed pairing '
+                    'cannot cancel this part of the noise.',
+                    ['run', 'recorded', 'rerun', 'change', 'eval'], rows)
 
 ABLATION = 'no_'  # an ablation's variant names the part it leaves out (fullstack+no_lora)
 
@@ -490,14 +512,14 @@ def report(directory, exponents='auto', n_boot=200, log=print, min_tokens_per_pa
     corpora = sorted({c for r in rows for c in r['corpora']})
     variants = [r for r in rows if r.get('vs_base')]
     md = ['Val loss after the same tokens, per recipe; gap = mean over seeds of L(recipe, seed) / '
-          f'L(bf16, seed) - 1, the runs paired by seed (same init, data order and eval batches); '
-          f'95% interval = Student t on those paired gaps (n - 1 degrees of freedom). eval: '
-          f'"whole split" = the loss over the same val text for every run (train.py eval_split_tokens); '
-          f'"per-seed batches" = the last eval\'s random batches, drawn by the seed (the runs of a seed '
-          f'share them), with SE = the standard error of one val loss over them (median over seeds): '
-          f'across seeds that sampling adds to the spread, within a seed\'s pair it cancels. '
-          f'tokens/s: the runs\' median, often with other runs sharing the GPU (study.py --jobs, or '
-          f'several studies at once): how long runs took, not a speed measurement (bench.py is).', '',
+          'L(bf16, seed) - 1, the runs paired by seed (same init, data order and eval batches); '
+          '95% interval = Student t on those paired gaps (n - 1 degrees of freedom). eval: '
+          '"whole split" = the loss over the same val text for every run (train.py eval_split_tokens); '
+          '"per-seed batches" = the last eval\'s random batches, drawn by the seed (the runs of a seed '
+          'share them), with SE = the standard error of one val loss over them (median over seeds): '
+          'across seeds that sampling adds to the spread, within a seed\'s pair it cancels. '
+          'tokens/s: the runs\' median, often with other runs sharing the GPU (study.py --jobs, or '
+          'several studies at once): how long runs took, not a speed measurement (bench.py is).', '',
           gap_table(rows), '']
     if variants:
         md += ['Variants against their own recipe: the run of it whose flags differ by the fewest (what those '
@@ -516,6 +538,7 @@ def report(directory, exponents='auto', n_boot=200, log=print, min_tokens_per_pa
     md += [equal_coverage_table(records), curve_gap_table(records)]
     md += [f'Published: {PUBLISHED}.', '', published_law_gaps(rows), '',
            'Eval noise beside seed noise (bf16): ' + ('; '.join(noise) or 'needs >= 2 seeds') + '.', '',
+           rerun_table(directory, records),
            law_md, '', 'Plots: ' + ', '.join(f'`{p}`' for p in pngs) + '.',
            f"Code: {', '.join(c[:10] for c in commits)}; corpus (train.bin SHA-1): "
            f"{', '.join(c[:10] for c in corpora)}" + (' (MIXED: runs from different corpora)'

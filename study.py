@@ -227,7 +227,7 @@ def merge(bundles, directory=None, log=print):
                 if target not in records:
                     records[target] = load_records(target)
                 repeats_dir = target.rstrip(os.sep) + '_repeats'
-                kept, earlier = records[target].get(rec['id']), _reruns(repeats_dir, rec['id'])
+                kept, earlier = records[target].get(rec['id']), reruns_of(repeats_dir, rec['id'])
                 if kept is None:
                     os.makedirs(target, exist_ok=True)
                     write_json(os.path.join(target, name), rec)
@@ -250,7 +250,7 @@ def merge(bundles, directory=None, log=print):
         f'{len(reruns)} reruns kept apart')
     return added, same, reruns
 
-def _reruns(repeats_dir, run_id):
+def reruns_of(repeats_dir, run_id):
     """The reruns of run_id that merge kept in repeats_dir (in name order)."""
     if not os.path.isdir(repeats_dir):
         return []

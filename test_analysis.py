@@ -413,6 +413,31 @@ def test_report_compares_the_split_loss_where_every_run_of_a_cell_has_it(tmp_pat
     md = (tmp_path / 'report.md').read_text()
     assert '| whole split |' in md and '| per-seed batches, SE 0.0100 |' in md
 
+def test_report_lists_the_reruns_against_their_recorded_runs(tmp_path):
+    """study_repeats/ beside the results (study.merge): each rerun against the recorded run of
+    its id, on the split loss where both have it, with the median and largest |change|."""
+    res = tmp_path / 'study'
+    res.mkdir()
+    def rec(seed, loss, split):
+        run = study.Run('30m', 1e6, 'bf16', seed)
+        return dict(id=run.id, group='bf16', recipe='bf16', variant='', seed=seed, model_size='30m', tokens=1e6,
+                    n_params=30e6, epochs=0.1, status='ok', val_loss=loss, val_loss_se=0.01, val_loss_split=split,
+                    tokens_per_s=1e5, git_commit='abc', corpus=dict(train_sha1='f00'),
+                    curve=dict(train_loss=[5.0, loss], val_steps=[0, 2], val_loss=[5.0, loss]))
+    for seed in (0, 1):
+        study.write_json(str(res / f'30m-1M-bf16-s{seed}.json'), rec(seed, 3.0, 2.0))
+    assert analysis.rerun_table(str(res), study.load_records(str(res))) == ''  # none yet: no table
+    (tmp_path / 'study_repeats').mkdir()
+    study.write_json(str(tmp_path / 'study_repeats' / '30m-1M-bf16-s0.1.json'), rec(0, 3.3, 2.02))  # +1% split
+    study.write_json(str(tmp_path / 'study_repeats' / '30m-1M-bf16-s1.1.json'), rec(1, 2.97, None))  # -1%
+    study.write_json(str(tmp_path / 'study_repeats' / '30m-1M-bf16-s1.2.json'), rec(1, 3.09, None))  # +3%
+    analysis.report(str(res), n_boot=10, log=lambda m: None)
+    md = (res / 'report.md').read_text()
+    assert '| 30m-1M-bf16-s0 | 2.0000 | 2.0200 | +1.00% | whole split |' in md
+    assert '| 30m-1M-bf16-s1 | 3.0000 | 2.9700 | -1.00% | per-seed batches |' in md
+    assert '| 30m-1M-bf16-s1 | 3.0000 | 3.0900 | +3.00% | per-seed batches |' in md
+    assert '|change| median 1.00%, largest 3.00%, over 3 pairs' in md
+
 def test_fp4_recipes_are_compared_with_each_other_only_like_for_like(tmp_path):
     """equal_coverage_pairs: two recipes of a cell at the same FP4 coverage under the same optimizer
     family, paired by seed; not nvfp4 (4/6) against quartet (6/6), not quartet+root against quartet2
