@@ -975,7 +975,7 @@ def main(argv=None):
         log(f'warning: L (LoRA-SVD) is fitted at step 0, to the initial weights, and never refit: max_iters '
             f'{max_iters}, lora_refit_interval {lora_refit_interval}, lora_refit_first {lora_refit_first}. '
             f'The trained W soon has other top directions (README: "How stale L gets"); '
-            f'--lora_refit_interval={every} refits it {(max_iters - 1) // every} times')
+            f'--lora_refit_interval={every} refits it every {every} steps ({(max_iters - 1) // every} refits)')
     if eval_split_tokens > 0:
         split_batches(len(data['val']), world)  # fail now, not after the run
     raw_model, model_args, optimizer, iter_num, history = init_run(rank, meta)
