@@ -6,6 +6,7 @@ writes them). CPU only, a few seconds.
 $ python -m pytest test_analysis.py -q
 """
 
+import json
 import math
 
 import numpy as np
@@ -219,7 +220,18 @@ def test_law_fit_leaves_out_the_cells_below_a_token_ratio(tmp_path):
     _, fit = analysis.report(str(tmp_path), n_boot=10, log=lambda m: None, min_tokens_per_param=cutoff)
     assert fit['n'] == 9 and fit['rms'] < 1e-3, fit
     md = (tmp_path / 'report.md').read_text()
-    assert 'Left out: the 3 cells below 0.2 tokens a parameter (30m 3M, 50m 3M, 100m 3M).' in md
+    assert 'Left out: the 3 cells 30m 3M, 50m 3M, 100m 3M, below 0.2 tokens a parameter.' in md
+    # one measure a fit: with the split loss in the 25M and 100M cells, the 50M cells (per-seed
+    # batches only) are left out, and named
+    for size in sizes:
+        for D in (25e6, 100e6):
+            path = tmp_path / f"{study.Run(size, D, 'bf16', 0, '').id}.json"
+            rec = json.loads(path.read_text())
+            study.write_json(str(path), dict(rec, val_loss_split=rec['val_loss'], val_loss=rec['val_loss'] + 0.3))
+    _, fit = analysis.report(str(tmp_path), n_boot=10, log=lambda m: None, min_tokens_per_param=cutoff)
+    assert fit['n'] == 6 and fit['rms'] < 1e-3, fit  # the split losses are the law's: an exact fit
+    md = (tmp_path / 'report.md').read_text()
+    assert 'Left out: the 3 cells 30m 50M, 50m 50M, 100m 50M, without the whole-split loss' in md
 
 def test_report_pairs_an_fp4_variant_with_its_twin(tmp_path):
     """bf16+root_fp4 (and root_fp4x2) against bf16+root (the twin: the same optimizer without
