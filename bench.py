@@ -17,7 +17,7 @@ import time
 import torch
 
 import fp4
-import kernels
+import cuda_kernels as kernels
 from train import COMPILE_MODES
 
 

@@ -1,6 +1,6 @@
 """
 FP4 training numerics: formats, quantizers, GEMM backends, FP4 linear layers. On a GPU the
-quantizers run as CUDA kernels (kernels.cu), compiled and launched by kernels.py.
+quantizers run as CUDA kernels (kernels.cu), compiled and launched by cuda_kernels.py.
 
 Read top to bottom. The PyTorch reference in the first half is the *definition* of every
 number this project produces: the CUDA kernels (kernels.cu) and the GEMM backends are tested
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels  # the CUDA kernels' launchers (kernels.cu through CuPy)
+import cuda_kernels as kernels  # the CUDA kernels' launchers (kernels.cu through CuPy)
 
 # ---------------------------------------------------------------------------------------------
 # E2M1: the FP4 element (SPEC 1)

@@ -11,7 +11,7 @@ import os
 import torch
 
 import fp4
-import kernels
+import cuda_kernels as kernels
 # the Newton-Schulz iteration lives in its own file; these names are optim's API too (DESIGN.md)
 from newton_schulz import (GraphedNS, MUON_COEFFICIENTS, NS_DESIGNS, NS_GRAPH, NS_PRECISIONS,  # noqa: F401
                            ROOT_COEFFICIENTS, newton_schulz, ns_coefficients)

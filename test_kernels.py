@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fp4
-import kernels
+import cuda_kernels as kernels
 
 HAS_GPU = torch.cuda.is_available() and kernels._cupy() is not None
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device and CuPy")

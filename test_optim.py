@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fp4
-import kernels
+import cuda_kernels as kernels
 import optim
 from measure import regression_loss
 from test_fp4 import assert_same, first_mismatches

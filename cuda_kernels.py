@@ -1,5 +1,5 @@
 """
-kernels.py: compiling kernels.cu with NVRTC (through CuPy) and launching its kernels on torch's
+cuda_kernels.py: compiling kernels.cu with NVRTC (through CuPy) and launching its kernels on torch's
 CUDA tensors. fp4.py holds the numerics and calls these launchers when a tensor is on a GPU;
 FP4_KERNELS=torch forces the PyTorch reference there instead.
 
@@ -8,6 +8,11 @@ contiguity, 16-byte alignment, sizes that fit its index types) before launching,
 outputs with torch, and launches on torch's current stream of the tensor's device. Each launcher
 returns exactly what its fp4.py twin returns (quantize, dequantize, requantize, fold_mx,
 _rotate_back); test_kernels.py checks them against the reference bit for bit.
+
+Its name is not kernels.py (DESIGN.md's) because a module of that name at the top of the
+repository shadows Hugging Face's `kernels` package, which transformers (a requirement, for
+export_hf.py) imports: `from transformers import LlamaForCausalLM` then fails from this folder.
+The importers read it as `import cuda_kernels as kernels`.
 """
 import functools
 import os
