@@ -338,23 +338,35 @@ def law_section(records, exponents='auto', n_boot=200, min_tokens_per_param=0.0)
     # one measure for the whole fit: the split loss where any cell has it, and the cells without
     # it left out (per-seed batches sit 0-1.6% off the split loss, by seed: README, "The seed
     # spread here includes the eval sample"), else per-seed batches everywhere
+    # A run without it is left out alone: its group's cell is the mean over the seeds that have
+    # it (the split is the same text for every run, so the seeds differ by training alone).
     split = any(loss_key(groups) == 'val_loss_split' for groups in cells_by.values())
-    other = []
+    other, partly = [], {}  # cells with no split loss at all; runs left out of the other cells
     for (size, tokens), groups in cells_by.items():
+        if tokens / next(iter(next(iter(groups.values())).values()))['n_params'] < min_tokens_per_param:
+            below.append((size, tokens))
+            continue
+        missing = []
         for group, runs in groups.items():
-            losses = val_losses(runs, loss_key(groups))
+            losses = val_losses(runs, 'val_loss')
+            if split:
+                losses = {s: r['val_loss_split'] for s, r in runs.items()
+                          if r['status'] == 'ok' and r.get('val_loss_split') is not None}
+                missing += [(group, s) for s, r in runs.items() if r['status'] == 'ok' and s not in losses]
             if losses:
-                n = next(iter(runs.values()))['n_params']
-                why = (below if tokens / n < min_tokens_per_param else
-                       other if split and loss_key(groups) != 'val_loss_split' else None)
-                if why is None:
-                    seed_losses[(group, n, tokens)] = losses
-                elif (size, tokens) not in why:
-                    why.append((size, tokens))
+                seed_losses[(group, next(iter(runs.values()))['n_params'], tokens)] = losses
+        if missing and len(missing) == sum(r['status'] == 'ok' for runs in groups.values() for r in runs.values()):
+            other.append((size, tokens))
+        elif missing:
+            partly[(size, tokens)] = missing
     left_out = (f' Left out: {cells_named(below)}, below {min_tokens_per_param:g} tokens a parameter.'
                 if below else '')
     if other:
         left_out += f' Left out: {cells_named(other)}, without the whole-split loss (the fit uses that one measure).'
+    for (size, tokens), missing in partly.items():
+        runs = ', '.join(f"{g} s{','.join(str(s) for g2, s in missing if g2 == g)}" for g in dict.fromkeys(g for g, _ in missing))
+        left_out += (f' Left out of the cell {size} {tokens_label(tokens)}, without the whole-split loss: {runs}'
+                     f' (its other runs are in, each group\'s mean over the seeds it has).')
     ref = [k for k in seed_losses if k[0] == REFERENCE]
     sizes, budgets = len({k[1] for k in ref}), len({k[2] for k in ref})
     if sizes < 3 or budgets < 2:
@@ -373,6 +385,7 @@ def law_section(records, exponents='auto', n_boot=200, min_tokens_per_param=0.0)
     fit = fit_auto(cells) if exponents == 'auto' else fit_law(cells, exponents=exponents)
     if exponents != 'auto':
         fit['note'] = f'exponents: {exponents}'
+    fit['seed_losses'] = seed_losses  # the cells it took, for law.png (report() pops it: no JSON keys)
     p = fit['params']
     lines = [f"Law fit over {fit['n']} cells (mean val loss over seeds): {fit['note']}. "
              f"A = {p['A']:.4g}, a = {p['a']:.4f}, B = {p['B']:.4g}, b = {p['b']:.4f}, "
@@ -399,6 +412,13 @@ def law_section(records, exponents='auto', n_boot=200, min_tokens_per_param=0.0)
         pub = QUARTET_EFF.get(g)
         lines.append(f"| {g} | {en:.3f} ± {sn:.3f} | {ci[0]} | {ed:.3f} ± {sd:.3f} | {ci[1]} | "
                      f"{f'{pub[0]}, {pub[1]}' if pub else '—'} |")
+    one_seed = {g: (sum(len(v) == 1 for k, v in seed_losses.items() if k[0] == g),
+                    sum(k[0] == g for k in seed_losses)) for g in fit['eff']}
+    lines.append('\nThe bootstrap draws seeds, and a cell run with one seed is the same in every draw: '
+                 + ', '.join(f'{g} has {n} of {m} cells so' for g, (n, m) in one_seed.items())
+                 + f' ({REFERENCE}: {sum(len(v) == 1 for k, v in seed_losses.items() if k[0] == REFERENCE)} of '
+                 f'{sum(k[0] == REFERENCE for k in seed_losses)}). Where most are, its interval is narrower than '
+                 f'the seed noise; the fit\'s SE, from the residual scatter, is the one to read.')
     fit['bootstrap'] = boot
     return '\n'.join(lines), fit
 
@@ -457,26 +477,24 @@ def plot_cell(size, tokens, groups, path):
     plt.close(fig)
 
 def plot_law(fit, records, path):
-    """Per group: the seed-mean val loss of each (size, budget) and the fitted law's curves."""
+    """Per group: the seed-mean val loss of each (size, budget) the fit took, and the fitted law's
+    curves."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     import matplotlib.ticker
     groups = [REFERENCE] + group_order(fit['eff'])
     fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 4), sharey=True, squeeze=False)
-    cells = by_cell(records)
+    size_of = {r['n_params']: r['model_size'] for r in records.values()}
     for ax, group in zip(axes[0], groups):
         en, ed = fit['eff'].get(group, (1.0, 1.0))
-        for size in dict.fromkeys(s for s, _ in cells):  # by_cell orders them by N
-            pts = [(d, statistics.fmean(val_losses(g[group], loss_key(g)).values()),
-                    next(iter(g[group].values()))['n_params'])
-                   for (s, d), g in cells.items() if s == size and val_losses(g.get(group, {}))]
-            if not pts:
-                continue
+        for n in sorted({n for g, n, _ in fit['seed_losses'] if g == group}):
+            pts = sorted((d, statistics.fmean(v.values())) for (g, n2, d), v in fit['seed_losses'].items()
+                         if g == group and n2 == n)
             d = np.array([p[0] for p in pts])
             dd = np.geomspace(d.min() / 1.5, d.max() * 1.5, 50)
-            line, = ax.plot(dd / 1e6, law_loss(pts[0][2], dd, fit['params'], en, ed), lw=1)
-            ax.plot(d / 1e6, [p[1] for p in pts], 'o', color=line.get_color(), label=size)
+            line, = ax.plot(dd / 1e6, law_loss(n, dd, fit['params'], en, ed), lw=1)
+            ax.plot(d / 1e6, [p[1] for p in pts], 'o', color=line.get_color(), label=size_of[n])
         ax.set(xscale='log', xlabel='tokens (M)', title=f'{group}: effN {en:.2f}, effD {ed:.2f}')
         for axis in (ax.xaxis.set_major_formatter, ax.xaxis.set_minor_formatter):
             axis(matplotlib.ticker.FuncFormatter(lambda v, _: f'{v:g}'))  # 20, not 2x10^1
@@ -517,6 +535,8 @@ def report(directory, exponents='auto', n_boot=200, log=print, min_tokens_per_pa
     if fit and not fit['problems']:
         plot_law(fit, records, os.path.join(directory, 'law.png'))
         pngs.append('law.png')
+    if fit:
+        del fit['seed_losses']
     noise = [f"{r['size']} {tokens_label(r['tokens'])}: seed sd {r['sd']:.4f} ({fmt_eval(r)}"
              + (f"; the training's alone ~{math.sqrt(max(0.0, r['sd'] ** 2 - r['eval_se'] ** 2)):.4f}"
                 if r['eval'] == 'batches' else '') + ')'

@@ -425,6 +425,37 @@ def test_report_compares_the_split_loss_where_every_run_of_a_cell_has_it(tmp_pat
     md = (tmp_path / 'report.md').read_text()
     assert '| whole split |' in md and '| per-seed batches, SE 0.0100 |' in md
 
+def test_law_fit_takes_the_runs_of_a_cell_that_have_the_split_loss(tmp_path):
+    """The law fits one measure, the whole-split loss. In a cell where only some runs have it
+    (30m 50M here: bf16 and quartet seed 0 predate it), the runs without it are left out and
+    named, and each group's mean is over the seeds that have it: quartet's cell there is seed 1
+    alone. Its batch losses are far off the law; were they used, the fit would move."""
+    def rec(size, D, group, seed, split, batches):
+        N = study.n_params(size, 512)
+        run = study.Run(size, D, group, seed)
+        study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+            id=run.id, group=group, recipe=group, variant='', seed=seed, model_size=size, tokens=D,
+            n_params=N, epochs=0.1, status='ok', val_loss=batches, val_loss_se=0.01, val_loss_split=split,
+            tokens_per_s=1e5, git_commit='abc', corpus=dict(train_sha1='f00'),
+            curve=dict(train_loss=[8.0, batches], val_steps=[0, 2], val_loss=[8.0, batches])))
+    for size in ('30m', '50m', '100m'):
+        N = study.n_params(size, 512)
+        for D in (25e6, 50e6):
+            for seed in (0, 1):
+                for group in ('bf16', 'quartet') if size != '100m' else ('bf16',):
+                    L = float(law.law_loss(N, D, TRUE, *EFF[group]))
+                    old = size == '30m' and D == 50e6 and seed == 0 and group == 'quartet'
+                    rec(size, D, group, seed, None if old or (size == '30m' and D == 50e6 and group == 'bf16') else L,
+                        L + 0.5)
+    _, fit = analysis.report(str(tmp_path), exponents='quartet', n_boot=10, log=lambda m: None)
+    assert fit['n'] == 5 + 4 and fit['rms'] < 1e-4, fit  # bf16 without 30m 50M; quartet's 4 cells
+    assert fit['eff']['quartet'] == pytest.approx(EFF['quartet'], rel=1e-3)
+    md = (tmp_path / 'report.md').read_text()
+    assert ('Left out of the cell 30m 50M, without the whole-split loss: bf16 s0,1, quartet s0 '
+            "(its other runs are in, each group's mean over the seeds it has).") in md
+    assert 'quartet has 1 of 4 cells so' in md  # one-seed cells, named beside the bootstrap
+
+
 def test_report_lists_the_reruns_against_their_recorded_runs(tmp_path):
     """study_repeats/ beside the results (study.merge): each rerun against the recorded run of
     its id, on the split loss where both have it, with the median and largest |change|."""
