@@ -15,7 +15,7 @@ import statistics
 
 import numpy as np
 
-from law import QUARTET_EFF, QUARTET_LAW, REFERENCE, bootstrap_eff, fit_auto, fit_law, law_loss
+from law import QUARTET_EFF, QUARTET_LAW, REFERENCE, bootstrap_eff, fit_auto, fit_law, law_loss, pooled_seed_sd
 from model import RECIPES, SIZES, fp4_blocks
 from study import LAUNCH_ONLY, load_records, reruns_of, tokens_label, write_json
 
@@ -403,9 +403,10 @@ def law_section(records, exponents='auto', n_boot=200, min_tokens_per_param=0.0)
                      f"No effN, effD are read from it.")
         fit['bootstrap'] = {}
         return '\n'.join(lines), fit
-    boot = bootstrap_eff(seed_losses, REFERENCE, fit['exponents'], fit['theta'], n_boot)
-    lines += ['', '| recipe | effN ± SE (fit) | 95% (bootstrap over seeds) | effD ± SE (fit) '
-              '| 95% (bootstrap over seeds) | Quartet (effN, effD) |', '|---|---|---|---|---|---|']
+    noise, pooled = pooled_seed_sd(seed_losses)
+    boot = bootstrap_eff(seed_losses, REFERENCE, fit['exponents'], fit['theta'], n_boot, noise_rel=noise or 0.0)
+    lines += ['', '| recipe | effN ± SE (fit) | 95% (bootstrap) | effD ± SE (fit) '
+              '| 95% (bootstrap) | Quartet (effN, effD) |', '|---|---|---|---|---|---|']
     for g in group_order(fit['eff']):
         (en, ed), (sn, sd), b = fit['eff'][g], fit['eff_se'][g], boot.get(g)
         ci = [f'[{lo:.3f}, {hi:.3f}]' for lo, hi in b] if b else ['one seed: none'] * 2
@@ -413,12 +414,12 @@ def law_section(records, exponents='auto', n_boot=200, min_tokens_per_param=0.0)
         lines.append(f"| {g} | {en:.3f} ± {sn:.3f} | {ci[0]} | {ed:.3f} ± {sd:.3f} | {ci[1]} | "
                      f"{f'{pub[0]}, {pub[1]}' if pub else '—'} |")
     one_seed = {g: (sum(len(v) == 1 for k, v in seed_losses.items() if k[0] == g),
-                    sum(k[0] == g for k in seed_losses)) for g in fit['eff']}
-    lines.append('\nThe bootstrap draws seeds, and a cell run with one seed is the same in every draw: '
-                 + ', '.join(f'{g} has {n} of {m} cells so' for g, (n, m) in one_seed.items())
-                 + f' ({REFERENCE}: {sum(len(v) == 1 for k, v in seed_losses.items() if k[0] == REFERENCE)} of '
-                 f'{sum(k[0] == REFERENCE for k in seed_losses)}). Where most are, its interval is narrower than '
-                 f'the seed noise; the fit\'s SE, from the residual scatter, is the one to read.')
+                    sum(k[0] == g for k in seed_losses)) for g in [REFERENCE, *fit['eff']]}
+    counts = ', '.join(f'{g} {n} of {m}' for g, (n, m) in one_seed.items())
+    lines.append(f'\nThe bootstrap ({n_boot} refits) draws seeds with replacement in the cells that have several, '
+                 + (f'and draws the loss of a cell of one seed ({counts}) with the seed sd pooled over the '
+                    f'{pooled} cells that have several: {100 * noise:.2f}% of the loss.' if noise else
+                    f'and cannot vary a cell of one seed ({counts}): its interval is narrower than the seed noise.'))
     fit['bootstrap'] = boot
     return '\n'.join(lines), fit
 

@@ -202,19 +202,34 @@ def fit_free(cells, ref, fixed_theta):
     good = [f for f in fits if not f['problems']]
     return min(good or fits, key=lambda f: f['rms'])
 
-def bootstrap_eff(seed_losses, ref, exponents, start, n_boot=200, rng_seed=0, level=0.95):
+def pooled_seed_sd(seed_losses):
+    """The relative sd of a run's loss about its cell's mean, pooled over the cells with >= 2 seeds
+    (n - 1 degrees of freedom each): the seed noise that a cell of one seed carries unseen.
+    seed_losses: {(group, N, D): {seed: loss}}. Returns (sd, cells pooled); sd is None without any."""
+    ss, dof, cells = 0.0, 0, 0
+    for v in seed_losses.values():
+        if len(v) > 1:
+            x = np.array(list(v.values()), dtype=np.float64)
+            ss, dof, cells = ss + np.sum((x / x.mean() - 1) ** 2), dof + len(x) - 1, cells + 1
+    return (math.sqrt(ss / dof) if dof else None), cells
+
+def bootstrap_eff(seed_losses, ref, exponents, start, n_boot=200, rng_seed=0, level=0.95, noise_rel=0.0):
     """Percentile intervals of effN, effD: refit on cell means of seeds drawn with replacement.
-    One draw of seed ids serves every cell, so the pairing of recipes by seed is kept.
+    One draw of seed ids serves every cell, so the pairing of recipes by seed is kept. A cell of one
+    seed would be the same in every draw; with noise_rel its loss is drawn as L (1 + noise_rel z),
+    z standard normal, each draw (the seed noise it carries unseen: pooled_seed_sd).
     seed_losses: {(group, N, D): {seed: loss}}. Returns {group: ((lo, hi) effN, (lo, hi) effD)}."""
     seeds = sorted({s for v in seed_losses.values() for s in v})
-    if len(seeds) < 2:
+    if len(seeds) < 2 and not noise_rel:
         return {}
     rng = np.random.default_rng(rng_seed)
     draws = {}
     for _ in range(n_boot):
         pick = rng.choice(seeds, size=len(seeds))
-        cells = [(g, N, D, float(np.mean([v[s] for s in pick if s in v] or list(v.values()))))
-                 for (g, N, D), v in seed_losses.items()]
+        noise = rng.normal(0.0, 1.0, size=len(seed_losses)) * noise_rel
+        cells = [(g, N, D, float(next(iter(v.values()))) * (1 + z) if len(v) == 1 else
+                  float(np.mean([v[s] for s in pick if s in v] or list(v.values()))))
+                 for ((g, N, D), v), z in zip(seed_losses.items(), noise)]
         for g, e in fit_law(cells, ref, exponents, start=start)['eff'].items():
             draws.setdefault(g, []).append(e)
     q = [50 * (1 - level), 100 - 50 * (1 - level)]

@@ -150,6 +150,30 @@ def test_law_fit_with_seed_noise():
             lo, hi = boot[g][j]
             assert lo < hi and lo <= est * 1.02 and est <= hi * 1.02, (g, j, lo, est, hi)
 
+def test_bootstrap_draws_the_noise_of_one_seed_cells():
+    """Every cell one seed, with relative noise 0.2% a run. Drawn with noise_rel = 0.2%, the
+    bootstrap's 95% width of each log factor matches the spread of fits on 40 fresh noisy datasets
+    (3.92 sd): the ratio within [0.55, 1.6] (100 draws give the width to ~15%, 40 datasets the sd
+    to ~11%; the bounds are about 3 of their combined errors). Without noise_rel, nothing varies."""
+    sigma, sizes, budgets = 0.002, [30e6, 50e6, 100e6], [25e6, 50e6, 100e6]
+    exact = synthetic_cells(TRUE, sizes, budgets)
+    def noisy(rng):
+        return {k: {0: v[0] * (1 + rng.normal(0, sigma))} for k, v in exact.items()}
+    start = law.fit_law(means(exact))['theta']
+    fits = [law.fit_law(means(noisy(np.random.default_rng(100 + i))), start=start)['eff'] for i in range(40)]
+    one = noisy(np.random.default_rng(7))
+    fit = law.fit_law(means(one), start=start)
+    assert law.bootstrap_eff(one, 'bf16', 'quartet', fit['theta'], n_boot=5) == {}
+    boot = law.bootstrap_eff(one, 'bf16', 'quartet', fit['theta'], n_boot=100, noise_rel=sigma)
+    for g in ('quartet', 'nvfp4'):
+        for j in (0, 1):
+            lo, hi = boot[g][j]
+            spread = 3.92 * np.std([math.log(f[g][j]) for f in fits], ddof=1)
+            assert 0.55 < math.log(hi / lo) / spread < 1.6, (g, j, lo, hi, spread)
+    noise, cells = law.pooled_seed_sd({('a', 1, 1): {0: 1.0, 1: 1.02, 2: 0.98}, ('b', 1, 1): {0: 2.0}})
+    assert cells == 1 and noise == pytest.approx(0.02)  # sd of (0, +2%, -2%) about the mean, ddof 1
+
+
 def test_law_fit_says_when_the_form_does_not_describe_the_runs():
     """Losses that fall steeply with D and not at all with N (as bf16's did here at 0.1-1.6
     tokens/param: 4.01 -> 2.26 from 13M to 50M tokens, 1-4% across sizes): Quartet's exponents
@@ -453,7 +477,7 @@ def test_law_fit_takes_the_runs_of_a_cell_that_have_the_split_loss(tmp_path):
     md = (tmp_path / 'report.md').read_text()
     assert ('Left out of the cell 30m 50M, without the whole-split loss: bf16 s0,1, quartet s0 '
             "(its other runs are in, each group's mean over the seeds it has).") in md
-    assert 'quartet has 1 of 4 cells so' in md  # one-seed cells, named beside the bootstrap
+    assert 'cannot vary a cell of one seed (bf16 0 of 5, quartet 1 of 4)' in md  # seeds agree here: no noise to pool
 
 
 def test_report_lists_the_reruns_against_their_recorded_runs(tmp_path):
