@@ -335,15 +335,16 @@ def law_section(records, exponents='auto', n_boot=200, min_tokens_per_param=0.0)
     faster than the law's form allows (README, "Law fit, H200")."""
     seed_losses, below = {}, []  # below: cells in by_cell's order (N, then D)
     cells_by = by_cell(records)
-    # one measure for the whole fit: the split loss where any cell has it, and the cells without
-    # it left out (per-seed batches sit 0-1.6% off the split loss, by seed: README, "The seed
-    # spread here includes the eval sample"), else per-seed batches everywhere
-    # A run without it is left out alone: its group's cell is the mean over the seeds that have
-    # it (the split is the same text for every run, so the seeds differ by training alone).
+    # One measure for the whole fit: the split loss where any cell has it, else per-seed batches
+    # everywhere (per-seed batches sit 0-1.6% off the split loss, by seed: README, "The seed spread
+    # here includes the eval sample"). A run without the split loss is left out alone, and its
+    # group's cell is the mean over the seeds that have it: the split is the same text for every
+    # run, so those seeds differ by training alone.
     split = any(loss_key(groups) == 'val_loss_split' for groups in cells_by.values())
-    other, partly = [], {}  # cells with no split loss at all; runs left out of the other cells
+    other, partly = [], {}  # cells with no split loss at all; {cell: the runs left out} of the others
     for (size, tokens), groups in cells_by.items():
-        if tokens / next(iter(next(iter(groups.values())).values()))['n_params'] < min_tokens_per_param:
+        n_params = next(r['n_params'] for runs in groups.values() for r in runs.values())
+        if tokens / n_params < min_tokens_per_param:
             below.append((size, tokens))
             continue
         missing = []
@@ -354,7 +355,7 @@ def law_section(records, exponents='auto', n_boot=200, min_tokens_per_param=0.0)
                           if r['status'] == 'ok' and r.get('val_loss_split') is not None}
                 missing += [(group, s) for s, r in runs.items() if r['status'] == 'ok' and s not in losses]
             if losses:
-                seed_losses[(group, next(iter(runs.values()))['n_params'], tokens)] = losses
+                seed_losses[(group, n_params, tokens)] = losses
         if missing and len(missing) == sum(r['status'] == 'ok' for runs in groups.values() for r in runs.values()):
             other.append((size, tokens))
         elif missing:
@@ -364,7 +365,10 @@ def law_section(records, exponents='auto', n_boot=200, min_tokens_per_param=0.0)
     if other:
         left_out += f' Left out: {cells_named(other)}, without the whole-split loss (the fit uses that one measure).'
     for (size, tokens), missing in partly.items():
-        runs = ', '.join(f"{g} s{','.join(str(s) for g2, s in missing if g2 == g)}" for g in dict.fromkeys(g for g, _ in missing))
+        seeds_of = {}
+        for group, seed in missing:
+            seeds_of.setdefault(group, []).append(str(seed))
+        runs = ', '.join(f"{group} s{','.join(seeds)}" for group, seeds in seeds_of.items())
         left_out += (f' Left out of the cell {size} {tokens_label(tokens)}, without the whole-split loss: {runs}'
                      f' (its other runs are in, each group\'s mean over the seeds it has).')
     ref = [k for k in seed_losses if k[0] == REFERENCE]
