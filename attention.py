@@ -50,6 +50,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+import formats
 import fp4
 
 try:
@@ -294,7 +295,7 @@ def e2m1_round(a, rand=None):
 def _random_bytes(keys, r, c):
     """Byte n mod 4 of lowbias32((n div 4) ^ key) for n = row * c + col: (B, H, r, c) FP32."""
     n = torch.arange(r * c, dtype=torch.int64, device=keys.device).view(r, c)
-    w = fp4._lowbias32((n >> 2) ^ keys)
+    w = formats._lowbias32((n >> 2) ^ keys)
     return ((w >> ((n & 3) * 8)) & 255).float()
 
 
@@ -397,7 +398,7 @@ _jit = triton.jit if triton is not None else (lambda fn: fn)
 
 @_jit
 def _lowbias32(x):
-    """fp4._lowbias32 on uint32."""
+    """formats._lowbias32 on uint32."""
     x = x ^ (x >> 16)
     x = x * 0x7FEB352D
     x = x ^ (x >> 15)

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-import fp4  # the numerics these kernels implement (QTensor, formats, seeds); imported both ways
+import formats  # the bits these kernels compute (QTensor, block sizes, seeds); fp4.py calls this module
 
 # ---------------------------------------------------------------------------------------------
 # Compiling and launching
@@ -167,22 +167,22 @@ def sign_words(signs):
 
 
 def _rng_args(signs, seed, device):
-    """(has_signs, 4 sign words, seed, key0, device seed tensor) for a kernel launch. A fp4.DeviceSeed
-    passes its tensor and its offset (the kernel adds them and derives key0); fp4.DeviceSigns pass
+    """(has_signs, 4 sign words, seed, key0, device seed tensor) for a kernel launch. A formats.DeviceSeed
+    passes its tensor and its offset (the kernel adds them and derives key0); formats.DeviceSigns pass
     has_signs = 2 and their seed's offset in word 0 (the kernel derives the words)."""
-    if isinstance(seed, fp4.DeviceSeed):
+    if isinstance(seed, formats.DeviceSeed):
         if seed.t.device != device:
-            raise ValueError(f"fp4.DeviceSeed on {seed.t.device}, tensor on {device}")
-        if isinstance(signs, fp4.DeviceSigns):
+            raise ValueError(f"formats.DeviceSeed on {seed.t.device}, tensor on {device}")
+        if isinstance(signs, formats.DeviceSigns):
             if signs.seed.t is not seed.t:
-                raise ValueError("fp4.DeviceSigns must share the fp4.DeviceSeed's tensor")
-            return 2, [signs.seed.offset & fp4._M32, 0, 0, 0], seed.offset & fp4._M32, 0, seed.t
+                raise ValueError("formats.DeviceSigns must share the formats.DeviceSeed's tensor")
+            return 2, [signs.seed.offset & formats._M32, 0, 0, 0], seed.offset & formats._M32, 0, seed.t
         words = sign_words(signs) if signs is not None else [0, 0, 0, 0]
-        return int(signs is not None), words, seed.offset & fp4._M32, 0, seed.t
-    if isinstance(signs, fp4.DeviceSigns):
-        raise ValueError("fp4.DeviceSigns need a fp4.DeviceSeed seed")
+        return int(signs is not None), words, seed.offset & formats._M32, 0, seed.t
+    if isinstance(signs, formats.DeviceSigns):
+        raise ValueError("formats.DeviceSigns need a formats.DeviceSeed seed")
     words = sign_words(signs) if signs is not None else [0, 0, 0, 0]
-    return int(signs is not None), words, seed & fp4._M32, fp4.hash_key(seed, 0), None
+    return int(signs is not None), words, seed & formats._M32, formats.hash_key(seed, 0), None
 
 
 def mx_rows_layout(scale_rule, rounding):
@@ -217,15 +217,15 @@ def nv128_cols_layout():
 
 def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, signs, seed, block2d, fold=False):
     """Run quant_rows (kind 'rows': quantize the (r, k) row-major src along k) or quant_cols
-    (kind 'cols': along r; src dense (r, k), or qin a fp4.QTensor whose codes (r, k/2) are the input).
-    Returns codes, scales, tensor scale, mask in the fp4.QTensor layout (rows, K) of the output, and
+    (kind 'cols': along r; src dense (r, k), or qin a formats.QTensor whose codes (r, k/2) are the input).
+    Returns codes, scales, tensor scale, mask in the formats.QTensor layout (rows, K) of the output, and
     fold_mx's outputs when `fold` asked for them and quant_rows_fold applies (else None)."""
     import numpy as np
     dev = src.device
-    bs = fp4.FORMATS[fmt]
+    bs = formats.FORMATS[fmt]
     nv = fmt == "nvfp4"
     rows, kq = (r, k) if kind == "rows" else (k, r)  # output layout: quantized axis kq last
-    g_size = max(bs, hadamard, fp4.EDEN_GROUP if rounding == "eden" else 0)
+    g_size = max(bs, hadamard, formats.EDEN_GROUP if rounding == "eden" else 0)
     if fold and kind == "rows" and not nv and g_size == 32 and k // 32 <= 1024:
         return _quant_rows_fold(src, r, k, scale_rule, rounding, hadamard, signs, seed)
     if kind == "rows" and not nv and g_size == 32 and mx_rows_layout(scale_rule, rounding) == "quad":
@@ -271,7 +271,7 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
         grid, block = (ctas,), (4 * 32 if lanes == 4 else 32 * _TILE_R // g_size,)  # quad: 4 lanes a column
         head = (_ptr(src), _ptr(None if qin is None else qin.scales),
                 _ptr(None if qin is None else qin.tensor_scale), np.uint32(r), np.uint32(k))
-    hs = np.float32(fp4._hadamard_scale(hadamard) if hadamard else 0.0)
+    hs = np.float32(formats._hadamard_scale(hadamard) if hadamard else 0.0)
 
     def args(pass_, g_):
         return head + (np.int32(hadamard), hs, np.int32(has_signs), *(np.uint32(w) for w in signw),
@@ -291,7 +291,7 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
 def tensor_scale_of(amax):
     """fp4._tensor_scale from the pre-pass's finite amax bits (int32 (1,)): amax / (6 * 448), 1 for 0."""
     finite_amax = amax.view(torch.float32).reshape(())
-    g = finite_amax / torch.full_like(finite_amax, 6 * fp4.E4M3_MAX)  # a true division on any device
+    g = finite_amax / torch.full_like(finite_amax, 6 * formats.E4M3_MAX)  # a true division on any device
     return torch.where(finite_amax > 0, g, torch.ones_like(g))
 
 
@@ -358,7 +358,7 @@ def _quant_rows_fold(src, r, k, scale_rule, rounding, hadamard, signs, seed):
     f8 = torch.empty(r, k, dtype=torch.uint8, device=dev)
     rowscale = torch.empty(r, dtype=torch.float32, device=dev)
     has_signs, signw, seed_arg, key0, dseed = _rng_args(signs, seed, dev)
-    hs = np.float32(fp4._hadamard_scale(hadamard) if hadamard else 0.0)
+    hs = np.float32(formats._hadamard_scale(hadamard) if hadamard else 0.0)
     name = f"quant_rows_fold<{_SRC_KIND[src.dtype]}, {RULE_ID[scale_rule]}, {ROUND_ID[rounding]}>"
     # about one resident wave (64 registers a thread: 1024 threads an SM), looping over row groups
     grid = min(-(-r // rpc), max(1, 1024 // (tpr * rpc)) * _sm_count(dev.index))
@@ -385,7 +385,7 @@ def quantize(x, xm, fmt, axis, scale_rule, rounding, hadamard, signs, seed, bloc
         codes, scales, g, mask, folded = _quant_launch("rows", src, None, r, k, fmt, scale_rule, rounding,
                                                        hadamard, signs, seed, block2d, fold)
     mask = None if mask is None else mask.view(*lead, k // 8)
-    return fp4.QTensor(codes.view(*lead, k // 2), scales.view(*lead, -1), g, fmt, tuple(x.shape), axis, mask, folded)
+    return formats.QTensor(codes.view(*lead, k // 2), scales.view(*lead, -1), g, fmt, tuple(x.shape), axis, mask, folded)
 
 
 def dequantize(q, dtype):
@@ -405,16 +405,16 @@ def dequantize(q, dtype):
 
 
 def requantize(q, fmt, scale_rule, rounding, hadamard, signs, seed):
-    """fp4.requantize in one pass: quant_cols with the fp4.QTensor's codes as input (dequantize in the
+    """fp4.requantize in one pass: quant_cols with the formats.QTensor's codes as input (dequantize in the
     tile load, transpose through shared memory, rotate, scale, round, pack); requantize() has
     checked the options."""
     axis = 1 - q.axis
     r_in, k_in = q.lead_shape  # the input layout; the output's quantized axis is r_in (== k)
-    src = q if q.codes.is_contiguous() and q.scales.is_contiguous() else fp4.QTensor(
+    src = q if q.codes.is_contiguous() and q.scales.is_contiguous() else formats.QTensor(
         q.codes.contiguous(), q.scales.contiguous(), q.tensor_scale, q.fmt, q.shape, q.axis, q.mask)
     codes, scales, g, mask, _ = _quant_launch("cols", src.codes, src, r_in, k_in, fmt, scale_rule, rounding,
                                               hadamard, signs, seed, False)
-    return fp4.QTensor(codes, scales, g, fmt, tuple(q.shape), axis, mask)
+    return formats.QTensor(codes, scales, g, fmt, tuple(q.shape), axis, mask)
 
 
 def fold(q):
@@ -439,5 +439,5 @@ def rotate_back(d, mask, n):
     out = torch.empty(d.shape, dtype=d.dtype, device=d.device)
     groups = r * (k // n)
     launch(d.device, f"rotate_back<{_SRC_KIND[d.dtype]}, {n}>", (min(-(-groups // 256), 1 << 20),), (256,),
-            (_ptr(src), _ptr(mask), np.uint32(r), np.uint32(k), np.float32(fp4._hadamard_scale(n)), _ptr(out)))
+            (_ptr(src), _ptr(mask), np.uint32(r), np.uint32(k), np.float32(formats._hadamard_scale(n)), _ptr(out)))
     return out

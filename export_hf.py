@@ -36,6 +36,7 @@ import sys
 
 import torch
 
+import checkpoint
 from model import fp4_blocks
 
 # -----------------------------------------------------------------------------
@@ -174,18 +175,16 @@ def write_tokenizer(meta, out_dir, max_len, model_vocab=None):
 
 def export(ckpt_path, out_dir, fp4_weights=False):
     """Write the HF folder; returns the list of lines to print."""
-    import train
     from safetensors.torch import save_file
-    from sample import checkpoint_meta
     try:
-        ckpt = train.read_checkpoint(ckpt_path)
-        recipe = train.checkpoint_recipe(ckpt, ckpt_path)
-    except train.CheckpointError as e:
+        ckpt = checkpoint.read(ckpt_path)
+        recipe = checkpoint.recipe_of(ckpt, ckpt_path)
+    except checkpoint.CheckpointError as e:
         raise SystemExit(str(e))
     if fp4_weights and recipe in ('bf16', 'float8'):
         raise SystemExit(f'--fp4-weights: {ckpt_path} was trained with recipe {recipe}, which has no '
                          f'FP4 layers: export without --fp4-weights')
-    args, meta = ckpt['model_args'], checkpoint_meta(ckpt)
+    args, meta = ckpt['model_args'], checkpoint.meta_of(ckpt)
     tensors = hf_tensors(ckpt['model'], args, recipe, fp4_weights, ckpt_path)
     os.makedirs(out_dir, exist_ok=True)
     config = hf_config(args, meta)

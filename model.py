@@ -460,3 +460,48 @@ def apply_recipe(model, recipe):
         for i in blocks:
             fp4.to_fp4(model.transformer.h[i], recipe, **lora)
     return model
+
+# -----------------------------------------------------------------------------
+# CUDA graphs: the training forward and backward replayed without the host's launch work
+
+class LossOf(nn.Module):
+    """model(x, y)'s loss alone, as a module: make_graphed_callables finds the parameters through it."""
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, y):
+        return self.model(x, y)[1]
+
+
+class Graphed(nn.Module):
+    """graphed()'s result: model's parameters (for clipping) and a forward that replays the graphs."""
+    def __init__(self, model, fn):
+        super().__init__()
+        self.model, self.fn = model, fn
+
+    def forward(self, x, y):
+        return None, self.fn(x, y)
+
+
+def graphed(model, x, y, ctx):
+    """model's training forward and backward captured as two CUDA graphs (torch.cuda.
+    make_graphed_callables) on the sample batch (x, y) and replayed each micro-step: the FP4 layers
+    run eagerly between a compiled graph's pieces, at ~2 ms of host time a layer (docs/speed.md).
+    A model-like callable (x, y) -> (None, loss): every replay copies its x, y into the graph's
+    inputs and writes the same output tensor, so the loss is read before the next micro-step. The
+    three warmup runs take autograd.grad, not backward: they leave the parameters' .grad alone, but
+    draw random numbers. The stochastic-rounding seeds are drawn on the GPU, so each replay rounds
+    afresh. Clipping, the finite check and the optimizer step stay eager, after the graphs."""
+    with ctx:
+        # allow_unused_input: a parameter the loss does not reach gets no gradient rather than an error
+        fn = torch.cuda.make_graphed_callables(LossOf(model), (x, y), num_warmup_iters=3, allow_unused_input=True)
+    # The backward graph hands out the same gradient buffers each replay. Into a .grad that is None,
+    # autograd may store such a buffer itself, which the next micro-step's replay then overwrites:
+    # with accumulation, the step would get twice the last micro-step's gradient (measured on the
+    # H200). A .grad that exists is added to in place, so the gradients stay allocated (the caller
+    # zeroes them instead of freeing them; a parameter the loss does not reach gets zeros, not None).
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return Graphed(model, fn)

@@ -10,6 +10,7 @@ import os
 
 import torch
 
+import formats
 import fp4
 import cuda_kernels as kernels
 # the Newton-Schulz iteration lives in its own file; these names are optim's API too (DESIGN.md)
@@ -330,8 +331,8 @@ def zero_state(shape, kind, group, device):
 
 def _state_seeds(base, step, index):
     """SR seeds of a parameter's two states at a step: distinct per (base, step, index, state)."""
-    h = fp4._lowbias32_py(fp4._lowbias32_py(base + 0x9E3779B9 * step) ^ (0x632BE5AB * (index + 1)))
-    return h, fp4._lowbias32_py(h ^ 0x5851F42D)
+    h = formats._lowbias32_py(formats._lowbias32_py(base + 0x9E3779B9 * step) ^ (0x632BE5AB * (index + 1)))
+    return h, formats._lowbias32_py(h ^ 0x5851F42D)
 
 
 def _adamw_fp32(p, st, group):
@@ -447,7 +448,7 @@ def _adamw_nvfp4_kernel(p, st, group, c, seeds):
     scalars = [np.float32(c[k]) for k in ("b1", "omb1", "b2", "omb2", "clamp", "bc2_sqrt", "eps", "neg_step", "decay")]
     head = (ptr(p), ptr(p.grad), np.uint32(n), np.uint32(p.shape[-1]), ptr(m["codes"]), ptr(m["scales"]),
             ptr(m["tensor_scale"]), ptr(v["codes"]), ptr(v["scales"]), ptr(v["tensor_scale"]),
-            ptr(v["mean"] if mean else None), *scalars, np.float32(fp4._hadamard_scale(h) if h else 0.0),
+            ptr(v["mean"] if mean else None), *scalars, np.float32(formats._hadamard_scale(h) if h else 0.0),
             np.uint32(seeds[0]), np.uint32(fp4.hash_key(seeds[0])), np.uint32(seeds[1]), np.uint32(fp4.hash_key(seeds[1])))
     for pass_ in (1, 0):
         kernels.launch(p.device, name, (-(-n // 256),), (256,), head + (np.int32(pass_), ptr(amax), ptr(g_new)))

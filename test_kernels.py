@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+import formats
 import fp4
 import cuda_kernels as kernels
 
@@ -812,7 +813,7 @@ def test_host_emulation_mx(emu_binary, mode, shape, dtype, rule, rnd, had, signe
     seed = 1234
     q = fp4.quantize(x, "mxfp4", scale_rule=rule, rounding=rnd, hadamard=had, signs=signs, seed=seed)
     x.numpy().astype(np.float32).tofile(d / "x.bin")
-    hs = fp4._hadamard_scale(had) if had else 0.0
+    hs = formats._hadamard_scale(had) if had else 0.0
     args = [str(d / "emu"), mode, str(shape[0]), str(shape[1]), str(kernels.RULE_ID[rule]), str(kernels.ROUND_ID[rnd]),
             str(had), str(int(signed)), str(kernels.sign_words(signs)[0] if signed else 0), str(seed),
             repr(np.float32(hs).item()), str(d)]
@@ -868,7 +869,7 @@ def test_host_emulation_nv(emu_binary, mode, shape, dtype, rule, rnd, had, signe
     seed = 4321
     q = fp4.quantize(x, "nvfp4", scale_rule=rule, rounding=rnd, hadamard=had, signs=signs, seed=seed)
     x.numpy().astype(np.float32).tofile(d / "x.bin")
-    hs = fp4._hadamard_scale(had) if had else 0.0
+    hs = formats._hadamard_scale(had) if had else 0.0
     words = kernels.sign_words(signs) if signed else [0, 0, 0, 0]
     args = [str(d / "emu"), mode, str(shape[0]), str(shape[1]), str(kernels.RULE_ID[rule]), str(kernels.ROUND_ID[rnd]),
             str(had), str(int(signed)), str(words[0]), str(seed), repr(np.float32(hs).item()), str(d),
@@ -915,7 +916,7 @@ def test_host_emulation_nv_cols_quad(emu_binary, shape, src, dtype, rule, rnd, h
         qin.codes.numpy().tofile(d / "qcodes.bin")
         qin.scales.numpy().tofile(d / "qscales.bin")
         gin = qin.tensor_scale.item()
-    hs = fp4._hadamard_scale(had) if had else 0.0
+    hs = formats._hadamard_scale(had) if had else 0.0
     words = kernels.sign_words(signs) if signed else [0, 0, 0, 0]
     args = [str(d / "emu"), "nvqcols", str(r), str(k), str(kernels.RULE_ID[rule]), str(kernels.ROUND_ID[rnd]),
             str(had), str(int(signed)), str(words[0]), str(seed), repr(np.float32(hs).item()), str(d),
@@ -1001,7 +1002,7 @@ def test_host_emulation_nv_amax(emu_binary, shape, axis, dtype, had, signed, nt,
     v = kernels.nv_amax_variant("rows" if axis == -1 else "cols", src, r, k, had, False)
     assert v is not None
     (x.view(torch.int16) if dtype != torch.float32 else x).numpy().tofile(d / "x.bin")
-    hs = fp4._hadamard_scale(had) if had else 0.0
+    hs = formats._hadamard_scale(had) if had else 0.0
     args = [str(d / "emu"), "nvamax", str(r), str(k), str(src), str(had), str(v), str(int(signed)),
             str(kernels.sign_words(signs)[0] if signed else 0), repr(np.float32(hs).item()), str(nt), str(d)]
     subprocess.run(args, check=True, timeout=60)

@@ -339,7 +339,7 @@ def test_resume_fullstack_carries_lora(corpus, tmp_path):
 def test_lora_refit_schedule():
     """Refits at 0 and every interval, and below the first interval at first, 2 first, 4 first, ..."""
     def due(steps, interval, first):
-        return [t for t in range(steps) if train.lora_refit_due(t, interval, first)]
+        return [t for t in range(steps) if fp4.lora_refit_due(t, interval, first)]
     assert due(9000, 4000, 50) == [0, 50, 100, 200, 400, 800, 1600, 3200, 4000, 8000]
     assert due(400, 50, 50) == list(range(0, 400, 50))  # the study's refit50 runs
     assert due(400, 100, 30) == [0, 30, 60, 100, 200, 300]  # 120 = 4 first is past the interval

@@ -25,7 +25,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -35,10 +34,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import checkpoint
 import configurator
+import distributed
+import fp4
 import optim
-from model import (ATTENTIONS, END_BLOCKS, GPT, GPTConfig, RECIPES, RECOMPUTES, SIZES, apply_recipe, config_for,
-                   fp4_blocks, gemm_multiple)
+from model import (ATTENTIONS, END_BLOCKS, GPT, GPTConfig, RECIPES, RECOMPUTES, SIZES, Graphed, apply_recipe,
+                   config_for, fp4_blocks, gemm_multiple, graphed)
 
 # -----------------------------------------------------------------------------
 # config: every global here can be overridden by config/*.py and --key=value
@@ -196,13 +198,6 @@ def check_shapes():
                                        f'{mult}; model_size={model_size!r}, n_kv_head={n_kv_head} '
                                        f'give {bad}: choose another n_kv_head or model_size')
 
-def init_distributed():
-    """(rank, local_rank, world_size); torchrun sets RANK, LOCAL_RANK and WORLD_SIZE."""
-    if int(os.environ.get('RANK', -1)) == -1:
-        return 0, 0, 1
-    dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
-    return dist.get_rank(), int(os.environ['LOCAL_RANK']), dist.get_world_size()
-
 def log(msg):
     if _log_path is None:
         return
@@ -233,9 +228,7 @@ def log_header(config):
         import torchao
         log(f'float8: torchao {torchao.__version__}, tensorwise scales')
     elif recipe != 'bf16':
-        import fp4
-        if hasattr(fp4, 'backends'):
-            log(f'fp4 backends: {fp4.backends()}')
+        log(f'fp4 backends: {fp4.backends()}')
     log('config: ' + json.dumps(config, sort_keys=True))
 
 def peak_mem_gib():
@@ -405,22 +398,6 @@ def split_loss(model, val, ctx, rank, world):
         dist.all_reduce(total)
     return (total / (n_batches * world)).item(), n_batches * world * per_batch
 
-def lora_refit_due(step, interval, first):
-    """Whether fullstack refits L (SPEC.md 8.4) before this step: at 0 and every `interval` steps
-    (the paper's schedule), and below the first interval also at first, 2 first, 4 first, ...
-    The fit at step 0 is of the random init, whose top directions the trained W does not keep
-    (README, "How stale L gets": it cuts the FP4 error by 1.1%, a refit by 56.9%), and W's top
-    directions form early and then hold (an L fitted 80 steps before keeps 82% of a refit's
-    cut): so refits come often at first and then spread out. interval <= 0: never (L stays 0)."""
-    if interval <= 0:
-        return False
-    if step % interval == 0:
-        return True
-    if first <= 0 or step >= interval or step < first or step % first:
-        return False
-    ratio = step // first
-    return ratio & (ratio - 1) == 0  # a power of two
-
 def get_lr(it, warmup, decay_iters):
     """Linear warmup, then cosine down to learning_rate * min_lr_frac."""
     min_lr = learning_rate * min_lr_frac
@@ -445,125 +422,12 @@ def set_rng_states(s):
         torch.cuda.set_rng_state(s['cuda'])
 
 # -----------------------------------------------------------------------------
-# checkpoint files: the newest is out_dir/ckpt.pt, older ones ckpt.<step>.pt
+# resuming: a run keeps its checkpoint's recipe, model shape and optimizer
 
-def checkpoint_path(step=None):
-    return os.path.join(out_dir, 'ckpt.pt' if step is None else f'ckpt.{step}.pt')
-
-def checkpoint_step(path):
-    """The step in an older checkpoint's name, ckpt.<step>.pt; None for any other name."""
-    parts = os.path.basename(path).split('.')
-    ok = len(parts) == 3 and parts[0] == 'ckpt' and parts[1].isdigit() and parts[2] == 'pt'
-    return int(parts[1]) if ok else None
-
-def older_checkpoints():
-    """[(step, path)] of the kept older checkpoints, newest first."""
-    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
-    return sorted(((checkpoint_step(fn), os.path.join(out_dir, fn)) for fn in names
-                   if checkpoint_step(fn) is not None), reverse=True)
-
-def save_checkpoint(state, prev_step):
-    """Write state to a temp file, fsync it, then rename it to ckpt.pt: a crash or a kill at
-    any moment leaves the last good checkpoint. The ckpt.pt it replaces, of this run's step
-    prev_step, is kept as ckpt.<prev_step>.pt; the newest keep_checkpoints stay. A failed
-    write (disk full, permissions) stops the run and leaves the earlier files as they were."""
-    path, step = checkpoint_path(), state['iter_num']
-    tmp = path + '.tmp'
-    try:
-        with open(tmp, 'wb') as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        if os.environ.get('TRAIN_TEST_SLOW_SAVE') == str(step):  # tests: a kill mid-save
-            log(f'test hook: {tmp} written, sleeping before the rename')
-            time.sleep(600)
-        if keep_checkpoints > 1 and prev_step is not None and os.path.exists(path):
-            os.replace(path, checkpoint_path(prev_step))
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # torch.save raises OSError for a file object
-        if os.path.lexists(tmp):
-            os.remove(tmp)
-        kept = path if os.path.exists(path) else 'none'
-        raise SystemExit(f'could not write the checkpoint of step {step} to {tmp}: {e}. The run '
-                         f'stopped; the last good checkpoint ({kept}) is as it was. Free space or '
-                         f'fix permissions in {out_dir}, then continue with --resume=True')
-
-def prune_checkpoints(step, earlier_run):
-    """Keep the newest keep_checkpoints - 1 older files. Drop those of an abandoned later
-    history (steps >= step, after resuming from an older one), and at a fresh run's first
-    save those an earlier run in out_dir left."""
-    older = older_checkpoints()
-    keep = [p for s, p in older if s < step and not earlier_run][:keep_checkpoints - 1]
-    for _, p in older:
-        if p not in keep:
-            os.remove(p)
-
-# -----------------------------------------------------------------------------
-# reading checkpoints: one clear line for each way a checkpoint cannot be used
-
-class CheckpointError(ValueError):
-    """A checkpoint file that cannot be used; the message names it and says why."""
-
-RESUME_KEYS = ('optimizer', 'iter_num', 'rng', 'history')
 # what a resumed run keeps from its checkpoint: the recipe, the model's shape, the optimizer
-MEMORY_KEYS = ('loss_chunk', 'recompute')  # model_args a resumed run may change (same loss, less memory)
 IDENTITY_KEYS = ('recipe', 'model_size', 'block_size', 'n_kv_head', 'optimizer', 'optimizer_states',
                  'attention', 'lora_rank', 'end_blocks')
-
-def read_checkpoint(path):
-    """torch.load, refusing a missing, unreadable (truncated, corrupt) or foreign file with a
-    CheckpointError. Keys it does not know (other versions add some) are kept, not refused."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f'{path} not found')
-    try:
-        ckpt = torch.load(path, map_location='cpu', weights_only=False)
-    except Exception as e:  # torch raises many types for a truncated zip or a bad pickle
-        reason = (str(e).strip().splitlines() or [''])[0].split('. ')[0][:160]
-        raise CheckpointError(f'{path} is unreadable: truncated or corrupt ({type(e).__name__}: {reason})')
-    missing = [k for k in ('model', 'model_args') if not isinstance(ckpt, dict) or k not in ckpt]
-    if missing:
-        raise CheckpointError(f"{path} is not a train.py checkpoint: no {', '.join(missing)}")
-    return ckpt
-
-def checkpoint_recipe(ckpt, path):
-    """The recipe a checkpoint was trained with, which must be one this code knows."""
-    if 'recipe' not in ckpt:
-        raise CheckpointError(f"{path} does not say which recipe trained it (no 'recipe' key), "
-                              f"and the FP4 layers depend on it: add it, e.g. ckpt['recipe'] = "
-                              f"'quartet', and save the checkpoint again")
-    if ckpt['recipe'] not in RECIPES:
-        raise CheckpointError(f"{path} was trained with recipe {ckpt['recipe']!r}, which this code "
-                              f"does not know (it knows {', '.join(RECIPES)}): use the version "
-                              f"of the code that trained it")
-    return ckpt['recipe']
-
-def resume_candidates():
-    """(path, older): the checkpoint to continue from (resume_from, else out_dir/ckpt.pt) and
-    the older ones to offer if it cannot be used. Nothing at all to resume stops the run."""
-    path = resume_from or checkpoint_path()
-    newest = os.path.abspath(path) == os.path.abspath(checkpoint_path())
-    step = checkpoint_step(path)  # an older one: offer only those older still
-    older = [p for s, p in older_checkpoints() if newest or step is not None and s < step]
-    if not os.path.exists(path) and not resume_from and not older:
-        raise SystemExit(f'--resume=True: nothing to resume from, {path} not found: start a fresh '
-                         f'run without --resume, or set --out_dir to the folder of the run')
-    return path, older
-
-def resume_checkpoint():
-    """(checkpoint, path) to continue from. A file that cannot be used stops the run and
-    names the newest older checkpoint to resume instead."""
-    path, older = resume_candidates()
-    try:
-        ckpt = read_checkpoint(path)
-        missing = [k for k in RESUME_KEYS if k not in ckpt]
-        if missing:
-            raise CheckpointError(f"{path} cannot be resumed: no {', '.join(missing)}")
-        checkpoint_recipe(ckpt, path)
-    except CheckpointError as e:
-        hint = (f'resume from the previous checkpoint with --resume_from={older[0]}' if older else
-                f'no older checkpoint is kept in {out_dir}: start a fresh run without --resume')
-        raise SystemExit(f'{e}; {hint}')
-    return ckpt, path
+MEMORY_KEYS = ('loss_chunk', 'recompute')  # model_args a resumed run may change (same loss, less memory)
 
 def adopt_checkpoint_config(ckpt, path):
     """A resumed run keeps its checkpoint's recipe, model shape and optimizer (the weights and
@@ -583,189 +447,14 @@ def adopt_checkpoint_config(ckpt, path):
         globals()[key] = theirs
     check_config()  # again, with the checkpoint's values
 
-def load_model_state(model, ckpt, path):
-    try:
-        model.load_state_dict(ckpt['model'])
-    except RuntimeError as e:  # missing or unexpected keys, or other shapes
-        raise SystemExit(f"{path}: its weights do not fit the model built from its model_args and "
-                         f"recipe {ckpt['recipe']!r} ({' '.join(str(e).split())[:300]}): it was "
-                         f"written by another version of the code")
-
-def optimizer_class(optimizer):
-    return f'{type(optimizer).__module__}.{type(optimizer).__qualname__}'
-
-def load_optimizer_state(model, optimizer, ckpt, path):
-    """The optimizer state, refused if it belongs to another optimizer: torch's
-    load_state_dict checks only the parameter counts, and a foreign state would then fail
-    (or worse, not fail) in the first step. One written by FSDP2 (keyed by name) is loaded by
-    name, each rank keeping its rows of every state (with or without FSDP now)."""
-    saved, ours = ckpt.get('optimizer_class'), optimizer_class(optimizer)
-    if saved is not None and saved != ours:
-        raise SystemExit(f'{path} holds the state of a {saved} optimizer, but this run builds '
-                         f'{ours}: resume with the optimizer it was trained with, or give a new '
-                         f'--out_dir for a new run')
-    try:
-        if ckpt['config'].get('fsdp', False):
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-            set_optimizer_state_dict(model, _parts(optimizer), ckpt['optimizer'],
-                                     options=StateDictOptions(full_state_dict=True))
-        else:
-            optimizer.load_state_dict(ckpt['optimizer'])
-    except (ValueError, KeyError, TypeError, RuntimeError) as e:
-        raise SystemExit(f"{path}: its optimizer state does not fit this run's {ours} ({e}): "
-                         f"resume with the optimizer it was trained with, or give a new --out_dir")
-
-# -----------------------------------------------------------------------------
-# preemption: SIGTERM or SIGUSR1, which clusters send before they stop a job, makes the run
-# finish its step, write a checkpoint and exit 0
-
-_stop_signal = None  # the number of the signal received, set by the handler
-
-def _on_stop_signal(signum, frame):
-    global _stop_signal
-    _stop_signal = signum
-
-def catch_stop_signals():
-    """Install the handler; returns the previous handlers, which main() puts back."""
-    global _stop_signal
-    _stop_signal = None
-    sigs = [signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, 'SIGUSR1') else [])
-    if threading.current_thread() is not threading.main_thread():
-        return {}  # only the main thread may set handlers: signals keep their defaults
-    previous = {s: signal.signal(s, _on_stop_signal) for s in sigs}
-    for s in sigs:  # restart system calls the signal interrupts (gloo's socket reads, ...),
-        signal.siginterrupt(s, False)  # which could fail with EINTR; the flag is all we need
-    return previous
-
-def stop_requested():
-    """Whether any rank got a stop signal. Signals reach the ranks at different moments, so
-    they agree by an all_reduce(MAX) after every step, and all stop after the same one."""
-    if not dist.is_initialized():
-        return _stop_signal is not None
-    flag = torch.tensor([float(_stop_signal is not None)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() > 0
-
-def stop_after_signal(raw_model, optimizer, run):
-    """Checkpoint the step just taken (every rank joins in) and say how to continue."""
-    write_checkpoint(raw_model, optimizer, run)
-    name = signal.Signals(_stop_signal).name if _stop_signal else 'a stop signal on another rank'
-    log(f"{name}: stopped after step {run['iter_num'] - 1}, checkpoint {checkpoint_path()}; "
-        f"continue with --resume=True")
-
-# -----------------------------------------------------------------------------
-# FSDP2 (torch.distributed.fsdp.fully_shard): sharding, mixed precision, whole checkpoints
-
-def shard_model(model):
-    """fully_shard each block, then the root (wte, ln_f, lm_head), in place. Every parameter
-    becomes a DTensor holding this rank's rows (dim 0, torch.chunk's split); the optimizer,
-    built after this, keeps its states on those rows only. Before a block's forward FSDP2
-    all-gathers its weights into plain tensors, so FP4Linear quantizes whole weights as it does
-    without FSDP; after the block's backward the weight gradients are reduce-scattered.
-    Mixed precision replaces autocast here: with dtype='bfloat16' the weights are gathered
-    and used in BF16 (half the bytes of FP32), activations between blocks are BF16 too (under
-    autocast they stay FP32), and gradients are reduced in FP32; the sharded weights and the
-    optimizer stay FP32. With dtype='float32' nothing is cast.
-    Each rank initialised its own model (seeded seed + rank); rank 0's weights are broadcast
-    into every rank's shards, as DDP does at its start."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh(device.split(':')[0], (dist.get_world_size(),))
-    param_dtype = torch.bfloat16 if dtype == 'bfloat16' else None
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    whole = model.state_dict() if dist.get_rank() == 0 else {}
-    for block in model.transformer.h:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True,
-                                                                broadcast_from_rank0=True))
-    return model
-
-def _whole():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it, on the CPU
-
-def full_state_dicts(model, optimizer):
-    """(model, optimizer) state dicts for ckpt.pt. With FSDP2 both are gathered from every
-    rank's shard (a collective: every rank calls this; ranks other than 0 get {}): the model's
-    is a plain state_dict, as without FSDP; the optimizer's is keyed by parameter name
-    (torch.distributed.checkpoint's format, one dict for all of optim.Optimizers' parts),
-    which any world size can load."""
-    if not fsdp:
-        return model.state_dict(), optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-    return (get_model_state_dict(model, options=_whole()),
-            get_optimizer_state_dict(model, _parts(optimizer), options=_whole()))
-
-def _parts(optimizer):
-    """The torch optimizers inside optim.build's result (optim.Optimizers), or the one given."""
-    return getattr(optimizer, 'parts', optimizer)
-
 def check_resume_fsdp(ckpt):
     """An optimizer state written without FSDP (keyed by position) cannot be sharded."""
     if fsdp and not ckpt['config'].get('fsdp', False):
         raise configurator.ConfigError(f'{out_dir}/ckpt.pt was written with fsdp=False: '
                                        'resume it with --fsdp=False')
 
-def on_whole_matrix(fn, t):
-    """fn (e.g. Newton-Schulz, SPEC 8.2) applied to the whole matrix of FSDP2's shard t, and this
-    rank's rows of the result, as a DTensor placed like t: every rank all-gathers t, runs fn
-    (redundantly, the same on every rank) and keeps its rows. A plain tensor: fn(t). For an
-    optimizer whose update mixes rows, which a shard alone cannot compute (README, FSDP2)."""
-    from torch.distributed.tensor import DTensor, Replicate
-    if not isinstance(t, DTensor):
-        return fn(t)
-    whole = DTensor.from_local(fn(t.full_tensor()), t.device_mesh, [Replicate()] * t.device_mesh.ndim,
-                               run_check=False)
-    return whole.redistribute(t.device_mesh, t.placements)  # Replicate -> Shard: no communication
-
 # -----------------------------------------------------------------------------
 # one optimizer step
-
-class LossOf(torch.nn.Module):
-    """model(x, y)'s loss alone, as a module: make_graphed_callables finds the parameters through it."""
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x, y):
-        return self.model(x, y)[1]
-
-def graphed(model, data, ctx):
-    """cuda_graph=True: model's training forward and backward captured as two CUDA graphs
-    (torch.cuda.make_graphed_callables) and replayed each micro-step, without the host's launch
-    work: the FP4 layers run eagerly between the compiled graph's pieces, at ~2 ms of host time a
-    layer (README, Speed). A model-like callable (x, y) -> (None, loss): every replay copies its
-    x, y into the graph's inputs and writes the same output tensor, so the loss is read before the
-    next micro-step. The three warmup runs (on a sample batch) take autograd.grad, not backward:
-    they leave the parameters' .grad alone, but draw random numbers. The stochastic-rounding seeds
-    are drawn on the GPU, so each replay rounds afresh. Clipping, the finite check and the
-    optimizer step stay eager, after the graphs: a non-finite loss still stops before the step."""
-    x, y = get_batch(data['train'], (0, 0, 0))
-    t0 = time.time()
-    with ctx:
-        # allow_unused_input: a parameter the loss does not reach gets no gradient rather than an error
-        fn = torch.cuda.make_graphed_callables(LossOf(model), (x, y), num_warmup_iters=3, allow_unused_input=True)
-    log(f'cuda_graph: forward and backward captured as CUDA graphs in {time.time() - t0:.1f} s')
-    # The backward graph hands out the same gradient buffers each replay. Into a .grad that is None,
-    # autograd may store such a buffer itself, which the next micro-step's replay then overwrites:
-    # with accumulation, the step would get twice the last micro-step's gradient (measured on the
-    # H200). A .grad that exists is added to in place, so the gradients stay allocated (train_step
-    # zeroes them instead of freeing them; a parameter the loss does not reach gets zeros, not None).
-    for p in model.parameters():
-        if p.requires_grad and p.grad is None:
-            p.grad = torch.zeros_like(p)
-    return Graphed(model, fn)
-
-class Graphed(torch.nn.Module):
-    """graphed()'s result: model's parameters (for clipping) and a forward that replays the graphs."""
-    def __init__(self, model, fn):
-        super().__init__()
-        self.model, self.fn = model, fn
-
-    def forward(self, x, y):
-        return None, self.fn(x, y)
 
 def train_step(model, optimizer, data, it, accum, rank, ctx):
     """Forward/backward over accum micro-batches, clip, check, step. Returns (loss, norm).
@@ -807,8 +496,8 @@ def setup(argv):
         globals()['resume'] = True
     check_config()
     if resume:
-        resume_candidates()  # nothing to resume: say so now, before preparing any data
-    rank, local_rank, world = init_distributed()
+        checkpoint.resume_candidates(out_dir, resume_from)  # nothing to resume: say so now, before preparing any data
+    rank, local_rank, world = distributed.init(device)
     if world > 1 and device.startswith('cuda'):
         device = f'cuda:{local_rank}'
         torch.cuda.set_device(device)
@@ -838,7 +527,7 @@ def init_run(rank, data_meta):
     global _resumed_step
     ckpt, _resumed_step = None, None
     if resume:
-        ckpt, path = resume_checkpoint()
+        ckpt, path = checkpoint.read_for_resume(out_dir, resume_from)
         adopt_checkpoint_config(ckpt, path)
         model_args = ckpt['model_args']  # the checkpoint's shape wins over the config's
         # how the loss and the backward are computed, not what is trained: a flag may change them
@@ -856,18 +545,18 @@ def init_run(rank, data_meta):
     model = build_model(model_args)
     if ckpt:
         check_resume_fsdp(ckpt)
-        load_model_state(model, ckpt, path)  # the whole model, on every rank, before sharding
+        checkpoint.load_model_state(model, ckpt, path)  # the whole model, on every rank, before sharding
     if fsdp:
-        shard_model(model)  # moves each rank's shard to the device: no whole copy stays there
+        distributed.shard_model(model, device, dtype)  # moves each rank's shard to the device: no whole copy stays there
     else:
         model.to(device)
     opt = build_optimizer(model)  # (the global `optimizer` names it)
     history = dict(steps=[], train_loss=[], val_steps=[], val_loss=[], eval_train_loss=[])
     iter_num = 0
     if ckpt:
-        load_optimizer_state(model, opt, ckpt, path)
+        checkpoint.load_optimizer_state(model, opt, ckpt, path)
         iter_num, history = ckpt['iter_num'], ckpt['history']
-        if os.path.abspath(path) == os.path.abspath(checkpoint_path()):
+        if os.path.abspath(path) == os.path.abspath(checkpoint.path_of(out_dir)):
             _resumed_step = iter_num  # kept as ckpt.<step>.pt when the next one replaces it
         rngs = ckpt['rng']
         set_rng_states(rngs[rank] if rank < len(rngs) else rngs[0])
@@ -894,7 +583,7 @@ def finish(history, stats, model_args, model=None, meta=None):
     if model is not None and sample_tokens > 0:
         show_sample(model, meta)
     log(f"loss plot: {os.path.join(out_dir, 'loss.png')}, summary: "
-        f"{os.path.join(out_dir, 'summary.json')}, checkpoint: {checkpoint_path()}")
+        f"{os.path.join(out_dir, 'summary.json')}, checkpoint: {checkpoint.path_of(out_dir)}")
     return summary
 
 def show_sample(model, meta):
@@ -943,16 +632,16 @@ def write_checkpoint(raw_model, optimizer, run):
     if world > 1:
         rngs = [None] * world  # every rank's RNG, so each resumes its own stream
         dist.all_gather_object(rngs, rng_states())
-    model_state, optimizer_state = full_state_dicts(raw_model, optimizer)  # every rank: FSDP2 gathers
+    model_state, optimizer_state = distributed.full_state_dicts(raw_model, optimizer, fsdp)  # every rank: FSDP2 gathers
     if rank == 0:
         # data position = the step: get_batch is a pure function of (seed, step)
-        save_checkpoint(dict(model=model_state, optimizer=optimizer_state,
+        checkpoint.save(dict(model=model_state, optimizer=optimizer_state,
                              model_args=run['model_args'], recipe=recipe, iter_num=it,
                              config=run['config'], rng=rngs, history=run['history'],
                              data=dict(sampler='seed+step', seed=seed, step=it),
-                             optimizer_class=optimizer_class(optimizer), meta=run['meta']),
-                        run['saved_step'])
-        prune_checkpoints(it, earlier_run=run['saved_step'] is None and not run['resumed'])
+                             optimizer_class=checkpoint.optimizer_class(optimizer), meta=run['meta']),
+                        out_dir, keep_checkpoints, run['saved_step'], log)
+        checkpoint.prune(out_dir, it, keep_checkpoints, earlier_run=run['saved_step'] is None and not run['resumed'])
     run['saved_step'] = it
 
 def main(argv=None):
@@ -988,7 +677,11 @@ def main(argv=None):
     if world > 1 and not fsdp:  # FSDP2 wrapped raw_model in place in init_run
         ids = [torch.cuda.current_device()] if device.startswith('cuda') else None
         model = DDP(model, device_ids=ids)
-    train_model = graphed(model, data, ctx) if cuda_graph else model  # evals run `model`
+    train_model = model  # evals run `model`
+    if cuda_graph:  # replay forward and backward as CUDA graphs (model.graphed)
+        t0 = time.time()
+        train_model = graphed(model, *get_batch(data['train'], (0, 0, 0)), ctx)
+        log(f'cuda_graph: forward and backward captured as CUDA graphs in {time.time() - t0:.1f} s')
     run = dict(rank=rank, world=world, start_iter=iter_num, iter_num=iter_num, history=history,
                model_args=model_args, config={k: globals()[k] for k in config_keys}, meta=meta,
                saved_step=_resumed_step, resumed=resume)  # config: with the checkpoint's recipe
@@ -997,7 +690,7 @@ def main(argv=None):
     decay_iters = lr_decay_iters if lr_decay_iters > 0 else max_iters
     warmup = warmup_iters if warmup_iters >= 0 else int(0.1 * decay_iters)
     tokens, train_time, step_ema = 0, 0.0, None
-    previous_handlers = catch_stop_signals()
+    previous_handlers = distributed.catch_stop_signals()
     try:
         while True:
             # eval and checkpoint before the step; a resumed run has its first eval already
@@ -1014,8 +707,8 @@ def main(argv=None):
             lr = get_lr(iter_num, warmup, decay_iters)
             for group in optimizer.param_groups:
                 group['lr'] = lr
-            if recipe == 'fullstack' and lora_refit_due(iter_num, lora_refit_interval, lora_refit_first):
-                import fp4  # L = the top-r part of W, fixed until the next refit (SPEC.md 8.4)
+            if recipe == 'fullstack' and fp4.lora_refit_due(iter_num, lora_refit_interval, lora_refit_first):
+                # L = the top-r part of W, fixed until the next refit (SPEC.md 8.4)
                 n_refit = fp4.refit_lora(raw_model, seed=iter_num)
                 log(f'step {iter_num}: LoRA-SVD refit of {n_refit} linears')
             t0 = time.time()
@@ -1032,8 +725,11 @@ def main(argv=None):
                     f'{tokens_per_step / dt:,.0f} tok/s | {dt * 1000:.0f} ms | '
                     f'mem {peak_mem_gib():.2f} GiB | eta {eta:.1f} min')
             iter_num = run['iter_num'] = iter_num + 1
-            if stop_requested():
-                return stop_after_signal(raw_model, optimizer, run)
+            if distributed.stop_requested(device):
+                write_checkpoint(raw_model, optimizer, run)  # the step just taken; every rank joins in
+                log(f'{distributed.stop_signal_name()}: stopped after step {iter_num - 1}, checkpoint '
+                    f'{checkpoint.path_of(out_dir)}; continue with --resume=True')
+                return None
     finally:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
