@@ -5,8 +5,8 @@
 `step` times one compiled training step of the Llama per variant (tokens/s, peak memory and what
 holds it) against the BF16 row of the same run: the comparison users make. `saved` counts the bytes
 a forward saves for the backward, by the kind of layer; `step_profile` sums a step's GPU time by
-kernel family; `fsdp` runs train.py under DDP and FSDP2 through torchrun. bench.py holds the
-per-operation sections, the timer and the tables these use, and the command line.
+kernel family; `fsdp` runs train.py under DDP and FSDP2 through torchrun. bench_ops.py holds the
+per-operation sections, the timer and the tables these use; bench.py the command line.
 """
 import json
 import os
@@ -18,7 +18,7 @@ import traceback
 import torch
 
 import fp4
-from bench import FP8RowwiseLinear, SkipVariant, bench, print_table, save_rows
+from bench_ops import FP8RowwiseLinear, SkipVariant, bench, print_table, save_rows
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from newton_schulz import (GraphedNS, MUON_COEFFICIENTS, NS_DESIGNS, NS_GRAPH, N
 #                q = NVFP4((s - mu) H)
 # H is the blockwise Hadamard of fp4.hadamard (symmetric, H H = I up to FP32 rounding). The mean
 # per 128-block is a halving-tree sum (fp4._tree_sum) times 1/128, as a kernel adds it.
-# Defaults decided by measurement (README "Optimizer states in FP4 (optim.py)"; python measure.py
+# Defaults decided by measurement (docs/fullstack.md, "Optimizer states in FP4"; python study/measure.py
 # --sections states): no Hadamard and no mean (both cost update accuracy: Adam divides each element
 # by its own sqrt(v), and a rotation or a mean spreads a block's error onto its small elements),
 # stochastic rounding for m (RN stalls an EMA), round to nearest for sqrt(v) (SR's noise, squared,

@@ -210,15 +210,8 @@ def log_header(config):
     log(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(sys.argv)}")
     log(f'python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}, '
         f'{platform.platform()}')
-    if os.environ.get('FP4_GIT_COMMIT'):  # a copy of the tree whose .git is not its code's (study.py)
-        log(f"git commit {os.environ['FP4_GIT_COMMIT']} (FP4_GIT_COMMIT)")
-    else:
-        try:
-            commit = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=HERE, capture_output=True,
-                                    text=True, timeout=10).stdout.strip()
-            log(f'git commit {commit or "unknown"}')
-        except (OSError, subprocess.SubprocessError):
-            pass
+    commit, dirty = git_state()
+    log(f"git commit {commit or 'unknown'}{' (uncommitted changes)' if dirty else ''}")
     if device.startswith('cuda'):
         log(f'GPU: {torch.cuda.get_device_name()} x {torch.cuda.device_count()}, '
             f'CUDA {torch.version.cuda}')
@@ -230,6 +223,19 @@ def log_header(config):
     elif recipe != 'bf16':
         log(f'fp4 backends: {fp4.backends()}')
     log('config: ' + json.dumps(config, sort_keys=True))
+
+def git_state():
+    """(commit, dirty) of the code that runs. FP4_GIT_COMMIT=<sha> names it where the checkout's
+    .git is not the tree's own (a copy of a working tree sent to a GPU machine with a stale .git):
+    then the tree is taken as that commit, clean."""
+    if os.environ.get('FP4_GIT_COMMIT'):
+        return os.environ['FP4_GIT_COMMIT'], False
+
+    def git(*args):
+        p = subprocess.run(['git', *args], cwd=HERE, capture_output=True, text=True, timeout=30)
+        return p.stdout.strip() if p.returncode == 0 else None
+    status = git('status', '--porcelain', '--untracked-files=no')
+    return git('rev-parse', 'HEAD'), None if status is None else bool(status)
 
 def peak_mem_gib():
     if device.startswith('cuda'):

@@ -3,7 +3,7 @@ Tests for measure.py on a CPU: the inputs each section builds (spectra, momentum
 the rows of ns and lora_rank at tiny sizes, the state-format errors, and where the rows are written.
 Seconds in all; the full sections are the README's commands.
 
-$ python -m pytest test_measure.py -q
+$ python -m pytest study/test_measure.py -q
 """
 import json
 import os
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import bench
+import bench_ops
 import measure
 
 LORA = dict(synthetic="128x128", ranks="16", calls=1, tokens=128, backward=False, backward_rank=0, ckpt=None,
@@ -54,7 +54,7 @@ def test_section_ns_rows_at_tiny_shapes():
     the square 128x128 Gaussian; bound 0.02), the naive cast far below it on every Gaussian
     matrix (measured 0.78-0.86 below; bound 0.3)."""
     rows = measure.section_ns(SimpleNamespace(ns_sizes="tiny", momentum=[]))
-    shapes = bench.ns_shapes("tiny")
+    shapes = bench_ops.ns_shapes("tiny")
     assert len(rows) == len(shapes) * 2 * len(measure.NS_PRECISIONS)
     for r in rows:
         if r["precision"] == "bf16":
@@ -148,7 +148,7 @@ def test_out_path_keeps_the_result_file_names():
     """results/<gpu>/bench_ns.json, bench_states.json as bench.py wrote them; --out a folder or,
     for one section, the .json file itself (as lora_rank.py's --out was)."""
     args = measure.parse(["--sections", "ns,states,lora_rank"])
-    assert measure.out_path(args, "ns") == os.path.join("results", bench.gpu_slug(), "bench_ns.json")
+    assert measure.out_path(args, "ns") == os.path.join("results", bench_ops.gpu_slug(), "bench_ns.json")
     assert measure.out_path(measure.parse(["--sections", "states", "--out", "d"]), "states") == os.path.join(
         "d", "bench_states.json")
     assert measure.out_path(measure.parse(["--sections", "lora_rank", "--out", "d/x.json"]), "lora_rank") == "d/x.json"

@@ -3,7 +3,7 @@ Tests for study.py (and the two train.py pieces it reads: the eval standard erro
 repeated-data warning). CPU: a fake launcher for the resume logic and tiny real runs on a
 synthetic corpus; the statistics, the law fit and the report are test_analysis.py's.
 
-$ python -m pytest test_study.py -q
+$ python -m pytest study/test_study.py -q
 """
 
 import json

@@ -3,7 +3,7 @@ Tests for analysis.py and law.py: the paired intervals and the law fit on synthe
 answers, and the report's pairing and tables on synthetic run records (written as study.py
 writes them). CPU only, a few seconds.
 
-$ python -m pytest test_analysis.py -q
+$ python -m pytest study/test_analysis.py -q
 """
 
 import json
@@ -14,6 +14,7 @@ import pytest
 
 import analysis
 import law
+import records
 import study
 
 # -----------------------------------------------------------------------------
@@ -212,7 +213,7 @@ def test_report_fits_no_factors_for_a_recipe_at_one_size(tmp_path):
             for group in ('bf16', 'quartet') if size == '30m' else ('bf16',):
                 L = float(law.law_loss(N, D, TRUE, *EFF[group]))
                 run = study.Run(size, D, group, 0, '')
-                study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+                records.write_json(str(tmp_path / f'{run.id}.json'), dict(
                     id=run.id, group=group, recipe=group, variant='', seed=0, model_size=size, tokens=D,
                     n_params=N, epochs=0.1, status='ok', val_loss=L, val_loss_se=0.001, tokens_per_s=1e5,
                     git_commit='abc', corpus=dict(train_sha1='f00'),
@@ -232,7 +233,7 @@ def test_law_fit_leaves_out_the_cells_below_a_token_ratio(tmp_path):
         for D in budgets + (early,):
             L = float(law.law_loss(N, D, TRUE)) + (1.5 if D == early else 0.0)
             run = study.Run(size, D, 'bf16', 0, '')
-            study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+            records.write_json(str(tmp_path / f'{run.id}.json'), dict(
                 id=run.id, group='bf16', recipe='bf16', variant='', seed=0, model_size=size, tokens=D,
                 n_params=N, epochs=0.1, status='ok', val_loss=L, val_loss_se=0.001, tokens_per_s=1e5,
                 git_commit='abc', corpus=dict(train_sha1='f00'),
@@ -251,7 +252,7 @@ def test_law_fit_leaves_out_the_cells_below_a_token_ratio(tmp_path):
         for D in (25e6, 100e6):
             path = tmp_path / f"{study.Run(size, D, 'bf16', 0, '').id}.json"
             rec = json.loads(path.read_text())
-            study.write_json(str(path), dict(rec, val_loss_split=rec['val_loss'], val_loss=rec['val_loss'] + 0.3))
+            records.write_json(str(path), dict(rec, val_loss_split=rec['val_loss'], val_loss=rec['val_loss'] + 0.3))
     _, fit = analysis.report(str(tmp_path), n_boot=10, log=lambda m: None, min_tokens_per_param=cutoff)
     assert fit['n'] == 6 and fit['rms'] < 1e-3, fit  # the split losses are the law's: an exact fit
     md = (tmp_path / 'report.md').read_text()
@@ -266,7 +267,7 @@ def test_report_pairs_an_fp4_variant_with_its_twin(tmp_path):
         recipe, _, variant = group.partition('+')
         for seed, L in enumerate(per_seed):
             run = study.Run('30m', 13e6, recipe, seed, variant)
-            study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+            records.write_json(str(tmp_path / f'{run.id}.json'), dict(
                 id=run.id, group=group, recipe=recipe, variant=variant, seed=seed, model_size='30m',
                 tokens=13e6, n_params=30e6, epochs=0.1, status='ok', val_loss=L, val_loss_se=0.01,
                 tokens_per_s=1e5, git_commit='abc', corpus=dict(train_sha1='f00'),
@@ -294,7 +295,7 @@ def test_fp4_recipe_with_its_own_optimizer_is_compared_to_bf16_under_that_optimi
     for (recipe, variant), pair in losses.items():
         for seed, L in enumerate(pair):
             run = study.Run('30m', 13e6, recipe, seed, variant)
-            study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+            records.write_json(str(tmp_path / f'{run.id}.json'), dict(
                 id=run.id, group=f'{recipe}+{variant}' if variant else recipe, recipe=recipe, variant=variant,
                 flags=flags.get(variant, []), seed=seed, model_size='30m', tokens=13e6, n_params=30e6, epochs=0.1,
                 status='ok', val_loss=L, val_loss_se=0.01, tokens_per_s=1e5, git_commit='abc',
@@ -307,7 +308,7 @@ def test_fp4_recipe_with_its_own_optimizer_is_compared_to_bf16_under_that_optimi
     assert ablation['ref'] == 'bf16+root' and ablation['base'] == 'fullstack+full'
     assert ablation['vs_base']['rel'] == pytest.approx((3.60 / 3.69 + 1) / 2 - 1)
     assert '| 30m | 13M | fullstack+no_attn | fullstack+full |' in (tmp_path / 'report.md').read_text()
-    assert [g['ref'] for g in analysis.curve_gaps(study.load_records(str(tmp_path)))] == ['bf16+root'] * 2
+    assert [g['ref'] for g in analysis.curve_gaps(records.load_records(str(tmp_path)))] == ['bf16+root'] * 2
     for seed in (0, 1):
         (tmp_path / f'30m-13M-bf16-root-s{seed}.json').unlink()
     rows, _ = analysis.report(str(tmp_path), n_boot=10, log=lambda m: None)
@@ -356,7 +357,7 @@ def test_the_table_shows_each_recipe_s_fp4_coverage(tmp_path):
     for (recipe, variant, ends), L in runs.items():
         run = study.Run('30m', 13e6, recipe, 0, variant)
         cfg = dict(recipe=recipe, model_size='30m', **({'end_blocks': ends} if ends else {}))
-        study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+        records.write_json(str(tmp_path / f'{run.id}.json'), dict(
             id=run.id, group=f'{recipe}+{variant}' if variant else recipe, recipe=recipe, variant=variant,
             flags=[f'--end_blocks={ends}'] if ends else [], seed=0, model_size='30m', tokens=13e6, n_params=30e6,
             epochs=0.1, status='ok', val_loss=L, val_loss_se=0.01, tokens_per_s=1e5, git_commit='abc',
@@ -377,12 +378,12 @@ def test_curve_gaps_pair_each_eval_by_seed(tmp_path):
               ('quartet', 0): [8.0, 5.1, 4.04], ('quartet', 1): [8.0, 5.2, 4.41]}
     for (recipe, seed), val in curves.items():
         run = study.Run('30m', 13e6, recipe, seed, '')
-        study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+        records.write_json(str(tmp_path / f'{run.id}.json'), dict(
             id=run.id, group=recipe, recipe=recipe, variant='', seed=seed, model_size='30m', tokens=13e6,
             n_params=30e6, epochs=0.1, status='ok', val_loss=val[-1], val_loss_se=0.01, tokens_per_s=1e5,
             git_commit='abc', corpus=dict(train_sha1='f00'),
             curve=dict(train_loss=[8.0, val[-1]], val_steps=[0, 5, 10], val_loss=val)))
-    gaps = analysis.curve_gaps(study.load_records(str(tmp_path)))
+    gaps = analysis.curve_gaps(records.load_records(str(tmp_path)))
     assert [(g['group'], g['ref'], g['step']) for g in gaps] == [('quartet', 'bf16', 5), ('quartet', 'bf16', 10)]
     assert gaps[0]['ref_loss'] == pytest.approx(5.1) and gaps[0]['gaps'] == pytest.approx([0.02, 0.0])
     assert gaps[1]['gaps'] == pytest.approx([0.01, 0.05])
@@ -405,7 +406,7 @@ def test_report_fits_the_law_from_run_records(tmp_path):
                     run = study.Run(size, D, recipe, seed, variant)
                     curve = dict(train_loss=list(np.linspace(8, L, 50)), val_steps=[0, 25, 50],
                                  val_loss=[8.0, (8 + L) / 2, L])
-                    study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+                    records.write_json(str(tmp_path / f'{run.id}.json'), dict(
                         id=run.id, group=group, recipe=recipe, variant=variant, seed=seed,
                         model_size=size, tokens=D, n_params=N, epochs=0.1, status='ok',
                         val_loss=L, val_loss_se=0.001, tokens_per_s=1e5, git_commit='abc',
@@ -430,7 +431,7 @@ def test_report_compares_the_split_loss_where_every_run_of_a_cell_has_it(tmp_pat
     a cell where one lacks it falls back to val_loss for all, so no pair mixes the two."""
     def rec(size, recipe, seed, loss, split):
         run = study.Run(size, 1e6, recipe, seed)
-        study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+        records.write_json(str(tmp_path / f'{run.id}.json'), dict(
             id=run.id, group=recipe, recipe=recipe, variant='', seed=seed, model_size=size, tokens=1e6,
             n_params=study.n_params(size, 512), epochs=0.1, status='ok', val_loss=loss, val_loss_se=0.01,
             val_loss_split=split, tokens_per_s=1e5, git_commit='abc', corpus=dict(train_sha1='f00'),
@@ -457,7 +458,7 @@ def test_law_fit_takes_the_runs_of_a_cell_that_have_the_split_loss(tmp_path):
     def rec(size, D, group, seed, split, batches):
         N = study.n_params(size, 512)
         run = study.Run(size, D, group, seed)
-        study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+        records.write_json(str(tmp_path / f'{run.id}.json'), dict(
             id=run.id, group=group, recipe=group, variant='', seed=seed, model_size=size, tokens=D,
             n_params=N, epochs=0.1, status='ok', val_loss=batches, val_loss_se=0.01, val_loss_split=split,
             tokens_per_s=1e5, git_commit='abc', corpus=dict(train_sha1='f00'),
@@ -492,12 +493,12 @@ def test_report_lists_the_reruns_against_their_recorded_runs(tmp_path):
                     tokens_per_s=1e5, git_commit='abc', corpus=dict(train_sha1='f00'),
                     curve=dict(train_loss=[5.0, loss], val_steps=[0, 2], val_loss=[5.0, loss]))
     for seed in (0, 1):
-        study.write_json(str(res / f'30m-1M-bf16-s{seed}.json'), rec(seed, 3.0, 2.0))
-    assert analysis.rerun_table(str(res), study.load_records(str(res))) == ''  # none yet: no table
+        records.write_json(str(res / f'30m-1M-bf16-s{seed}.json'), rec(seed, 3.0, 2.0))
+    assert analysis.rerun_table(str(res), records.load_records(str(res))) == ''  # none yet: no table
     (tmp_path / 'study_repeats').mkdir()
-    study.write_json(str(tmp_path / 'study_repeats' / '30m-1M-bf16-s0.1.json'), rec(0, 3.3, 2.02))  # +1% split
-    study.write_json(str(tmp_path / 'study_repeats' / '30m-1M-bf16-s1.1.json'), rec(1, 2.97, None))  # -1%
-    study.write_json(str(tmp_path / 'study_repeats' / '30m-1M-bf16-s1.2.json'), rec(1, 3.09, None))  # +3%
+    records.write_json(str(tmp_path / 'study_repeats' / '30m-1M-bf16-s0.1.json'), rec(0, 3.3, 2.02))  # +1% split
+    records.write_json(str(tmp_path / 'study_repeats' / '30m-1M-bf16-s1.1.json'), rec(1, 2.97, None))  # -1%
+    records.write_json(str(tmp_path / 'study_repeats' / '30m-1M-bf16-s1.2.json'), rec(1, 3.09, None))  # +3%
     analysis.report(str(res), n_boot=10, log=lambda m: None)
     md = (res / 'report.md').read_text()
     assert '| 30m-1M-bf16-s0 | 2.0000 | 2.0200 | +1.00% | whole split |' in md
@@ -517,13 +518,13 @@ def test_fp4_recipes_are_compared_with_each_other_only_like_for_like(tmp_path):
         for seed, L in enumerate(per_seed):
             run = study.Run('30m', 13e6, recipe, seed, variant)
             ends = [f.partition('=')[2] for f in flags if f.startswith('--end_blocks')]
-            study.write_json(str(tmp_path / f'{run.id}.json'), dict(
+            records.write_json(str(tmp_path / f'{run.id}.json'), dict(
                 id=run.id, group=f'{recipe}+{variant}' if variant else recipe, recipe=recipe, variant=variant,
                 flags=list(flags), seed=seed, model_size='30m', tokens=13e6, n_params=30e6, epochs=0.1, status='ok',
                 val_loss=L, val_loss_se=0.01, tokens_per_s=1e5, git_commit='abc', corpus=dict(train_sha1='f00'),
                 train_config=dict(recipe=recipe, model_size='30m', **({'end_blocks': ends[0]} if ends else {})),
                 curve=dict(train_loss=[8.0, L], val_steps=[0, 10], val_loss=[8.0, L])))
-    pairs = analysis.equal_coverage_pairs(study.load_records(str(tmp_path)))
+    pairs = analysis.equal_coverage_pairs(records.load_records(str(tmp_path)))
     got = {(p['group'], p['against']): p for p in pairs}
     assert set(got) == {('quartet2', 'quartet'), ('nvfp4+ends_fp4', 'quartet'), ('nvfp4+ends_fp4', 'quartet2')}
     assert got['quartet2', 'quartet']['gap']['rel'] == pytest.approx((4.16 / 4.2 + 1) / 2 - 1)

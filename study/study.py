@@ -5,11 +5,11 @@ train.py subprocess on one GPU; then the gaps to BF16 paired by seed with 95% in
 loss curves with seed bands, and the Quartet-form scaling law with effN and effD per
 recipe (SPEC.md 6).
 
-$ python study.py plan --recipes=bf16,quartet,nvfp4,quartet2 --seeds=0,1,2 --sizes=30m --tokens=50e6
-$ python study.py run  --recipes=bf16,quartet,nvfp4,quartet2 --seeds=0,1,2 --sizes=30m --tokens=50e6
-$ python study.py run  --recipes=bf16,quartet --seeds=0,1,2 --sizes=30m --tokens=50e6 \\
+$ python study/study.py plan --recipes=bf16,quartet,nvfp4,quartet2 --seeds=0,1,2 --sizes=30m --tokens=50e6
+$ python study/study.py run  --recipes=bf16,quartet,nvfp4,quartet2 --seeds=0,1,2 --sizes=30m --tokens=50e6
+$ python study/study.py run  --recipes=bf16,quartet --seeds=0,1,2 --sizes=30m --tokens=50e6 \\
       --variant=adamw_fp4 -- --optimizer=adamw_fp4    # a named variant: extra train.py flags
-$ python study.py report                               # results/<gpu>/study/report.md and PNGs
+$ python study/study.py report                               # results/<gpu>/study/report.md and PNGs
 
 Each finished run is one JSON in results/<gpu>/study/; `run` skips the runs whose JSON is
 there, so a study is completed in parts, and --budget_min starts only the runs that fit.
@@ -36,11 +36,14 @@ from dataclasses import dataclass
 
 import torch
 
-import configurator
-import train
-from model import GPT, RECIPES, SIZES, config_for
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: train.py, data/, results/
+sys.path.insert(0, ROOT)  # run as `python study/study.py` from anywhere
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+import analysis  # noqa: E402
+import configurator  # noqa: E402
+import train  # noqa: E402
+from model import GPT, RECIPES, SIZES, config_for  # noqa: E402
+from records import LAUNCH_ONLY, load_records, reruns_of, tokens_label, write_json  # noqa: E402,F401
 # every run: train.py's GPU step of 32K tokens (64 x 512), as one micro-batch rather than two:
 # the eager FP4 layers cost ~2 ms of host time each per micro-batch (README), so one halves
 # that per token, and 64 x 512 still fits 30M-100M models in an H200. 50 eval batches per
@@ -59,9 +62,6 @@ SETTINGS = dict(block_size=512, batch_size=64, gradient_accumulation_steps=1, ev
 # settings a run recorded without them is still the same run for: eval_split_tokens adds a
 # measurement after training (such a run lacks that number)
 SAME_RUN = ('eval_split_tokens',)
-# settings whose every value makes the same run: compile_mode changes how fast the same kernels
-# are launched (CUDA graphs or not), not what they compute
-LAUNCH_ONLY = ('compile_mode',)
 # peak learning rate per size: train.py's 30M default and config/quartet_200m.py's 200M one,
 # interpolated between, and below 30M extended along their slope (about N^-0.26); not tuned per
 # recipe (the same for all: same-token, same-schedule runs)
@@ -90,12 +90,6 @@ class Run:
     @property
     def id(self):
         return f'{self.size}-{tokens_label(self.tokens)}-{self.group.replace("+", "-")}-s{self.seed}'
-
-def tokens_label(tokens):
-    for unit, scale in (('B', 1e9), ('M', 1e6), ('K', 1e3)):
-        if tokens >= scale:
-            return f'{tokens / scale:.4g}{unit}'
-    return f'{tokens:g}'
 
 def grid(recipes, seeds, sizes, tokens, variant='', flags=()):
     """The runs, seed-major: a study stopped part-way leaves whole seeds, which pair."""
@@ -128,7 +122,7 @@ def train_config(run, base_flags=(), settings=SETTINGS, work_dir=None):
     steps = max(1, round(run.tokens / step_tokens(cfg)))
     cfg.update(recipe=run.recipe, seed=run.seed, model_size=run.size, max_iters=steps,
                eval_interval=max(1, math.ceil(steps / EVALS)),
-               out_dir=os.path.join(work_dir or os.path.join(HERE, 'out', 'study'), run.id))
+               out_dir=os.path.join(work_dir or os.path.join(ROOT, 'out', 'study'), run.id))
     return cfg
 
 def eval_batches(full, tokens):
@@ -162,18 +156,7 @@ def gpu_slug(name=None):
     return name.lower().replace(' ', '-')
 
 def default_dir(device=None):
-    return os.path.join(HERE, 'results', gpu_slug(device), 'study')
-
-def load_records(directory):
-    """{run id: record} of every run JSON in directory."""
-    records = {}
-    if os.path.isdir(directory):
-        for fn in sorted(os.listdir(directory)):
-            if fn.endswith('.json') and fn != 'report.json':
-                with open(os.path.join(directory, fn)) as f:
-                    rec = json.load(f)
-                records[rec['id']] = rec
-    return records
+    return os.path.join(ROOT, 'results', gpu_slug(device), 'study')
 
 def split_done(runs, configs, records):
     """(to run, done): a run is done when its JSON exists. A JSON under the same id made with
@@ -192,11 +175,6 @@ def split_done(runs, configs, records):
                              'new runs another --variant name or another --results directory')
         done.append(rec)
     return todo, done
-
-def write_json(path, obj):
-    with open(path + '.tmp', 'w') as f:
-        json.dump(obj, f, indent=1)
-    os.replace(path + '.tmp', path)
 
 def write_bundle(directory, path):
     """directory as one .tar.gz, rewritten after every run: for machines whose files are
@@ -250,35 +228,11 @@ def merge(bundles, directory=None, log=print):
         f'{len(reruns)} reruns kept apart')
     return added, same, reruns
 
-def reruns_of(repeats_dir, run_id):
-    """The reruns of run_id that merge kept in repeats_dir (in name order)."""
-    if not os.path.isdir(repeats_dir):
-        return []
-    out = []
-    for fn in sorted(os.listdir(repeats_dir)):
-        if fn.startswith(run_id + '.') and fn.endswith('.json'):
-            with open(os.path.join(repeats_dir, fn)) as f:
-                out.append(json.load(f))
-    return out
-
 # -----------------------------------------------------------------------------
 # running: subprocesses of train.py, a time budget, the record
 
-def git_state():
-    """(commit, dirty) of the code that runs. FP4_GIT_COMMIT=<sha> names it where the checkout's
-    .git is not the tree's own (a copy of a working tree sent to a GPU machine with a stale .git):
-    then the tree is taken as that commit, clean."""
-    if os.environ.get('FP4_GIT_COMMIT'):
-        return os.environ['FP4_GIT_COMMIT'], False
-
-    def git(*args):
-        p = subprocess.run(['git', *args], cwd=HERE, capture_output=True, text=True, timeout=30)
-        return p.stdout.strip() if p.returncode == 0 else None
-    status = git('status', '--porcelain', '--untracked-files=no')
-    return git('rev-parse', 'HEAD'), None if status is None else bool(status)
-
 def data_path(cfg):
-    return cfg.get('data_dir') or os.path.join(HERE, 'data', cfg.get('dataset', 'pycode'))
+    return cfg.get('data_dir') or os.path.join(ROOT, 'data', cfg.get('dataset', 'pycode'))
 
 def corpus(cfg):
     """meta.json of the runs' data, with a fingerprint. data/pycode is prepared here if it is
@@ -362,8 +316,8 @@ def start(run, cfg, inprocess):
                 f.write(str(e.code))
             return 1
     with open(os.path.join(cfg['out_dir'], 'stdout.log'), 'w') as out:  # the child keeps its copy
-        return subprocess.Popen([sys.executable, os.path.join(HERE, 'train.py'), *train_argv(cfg)],
-                                cwd=HERE, stdout=out, stderr=subprocess.STDOUT,
+        return subprocess.Popen([sys.executable, os.path.join(ROOT, 'train.py'), *train_argv(cfg)],
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED='1'))
 
 def gpu_processes():
@@ -448,7 +402,7 @@ def run_study(runs, directory, base_flags=(), settings=SETTINGS, jobs=1, budget_
     if not todo:
         return [], []
     os.makedirs(directory, exist_ok=True)
-    commit, dirty = git_state()
+    commit, dirty = train.git_state()
     # prepared before the first run starts (the budget counts it): a variant may use other data
     corpora = {data_path(cfg): cfg for _, cfg in todo}
     corpora = {path: corpus(cfg) for path, cfg in corpora.items()}
@@ -567,7 +521,6 @@ def main(argv=None):
         merge(args.bundles, args.results)
         return 0
     if args.command == 'report':
-        import analysis  # the analysis reads this module's records (analysis.py imports study)
         analysis.report(directory, args.law, args.boot, min_tokens_per_param=args.law_min_tpp)
         return 0
     runs = grid(args.recipes.split(','), [int(s) for s in args.seeds.split(',')],

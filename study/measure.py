@@ -3,11 +3,11 @@
 SPEC's "decide by measurement": each section measures the candidate designs of one numeric choice,
 on a CPU, or on a GPU where there is one:
 
-$ python measure.py --sections ns --ns-sizes 30m --momentum out/mom30m_muon/ckpt.pt   # Newton-Schulz designs
-$ python measure.py --sections states --states-lm 300    # the NVFP4 optimizer-state format (optim.py)
-$ python measure.py --sections root_states --root-lm 300  # the format of ROOT's momentum (optim.ROOT_STATES)
-$ python measure.py --sections lora_rank --ckpt out/ckpt.pt --backward   # the fullstack recipe's rank
-$ python measure.py --sections lora_rank --device=cuda --synthetic=2048x2048 --ranks=32,128 --calls=2  # a GPU check
+$ python study/measure.py --sections ns --ns-sizes 30m --momentum out/mom30m_muon/ckpt.pt   # Newton-Schulz designs
+$ python study/measure.py --sections states --states-lm 300    # the NVFP4 optimizer-state format (optim.py)
+$ python study/measure.py --sections root_states --root-lm 300  # the format of ROOT's momentum (optim.ROOT_STATES)
+$ python study/measure.py --sections lora_rank --ckpt out/ckpt.pt --backward   # the fullstack recipe's rank
+$ python study/measure.py --sections lora_rank --device=cuda --synthetic=2048x2048 --ranks=32,128 --calls=2  # a GPU check
 
 ns: Newton-Schulz in FP4 (optim.py, SPEC 8.2), the cosine to the exact polar factor per design, at
 every 2-D block shape of --ns-sizes (its GPU time per optimizer step is bench.py --sections ns_time).
@@ -15,7 +15,7 @@ states: candidate NVFP4 formats of AdamW's m and v (SPEC 8.1), single-shot and E
 regression's loss. root_states: ROOT's momentum held in FP32, BF16, one or two NVFP4 terms, its
 recursion replayed on a synthetic gradient stream (and the tiny LM trained). lora_rank: how much the BF16 rank-r part (LoRA-SVD, SPEC 8.4) cuts a linear
 layer's FP4 error, by rank. Each section returns rows (dicts), printed as they come; they are
-written with the run's meta (bench.run_meta, the option values under "args") to
+written with the run's meta (bench_ops.run_meta, the option values under "args") to
 results/<gpu-name-slug>/ (--out: another folder, or with one section a .json file name) under the
 names these sections had when ns and states lived in bench.py and lora_rank in lora_rank.py:
 bench_ns.json, bench_states.json, lora_rank.json, so the committed results keep their names
@@ -24,15 +24,18 @@ bench_ns.json, bench_states.json, lora_rank.json, so the committed results keep 
 import argparse
 import math
 import os
+import sys
 import time
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 
-import bench
-import fp4
-from bench import FP4_SPEEDUP, ns_shapes, print_table, print_table_row
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as `python study/measure.py`
+
+import bench_ops  # noqa: E402
+import fp4  # noqa: E402
+from bench_ops import FP4_SPEEDUP, ns_shapes, print_table, print_table_row  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # states: the NVFP4 optimizer-state format, decided by measurement (SPEC 8.1; runs on a CPU)
@@ -665,18 +668,18 @@ def out_path(args, name):
     --out folder (default results/<gpu-name-slug>)."""
     if args.out and args.out.endswith(".json"):
         return args.out
-    return os.path.join(args.out or os.path.join("results", bench.gpu_slug()), FILES[name])
+    return os.path.join(args.out or os.path.join("results", bench_ops.gpu_slug()), FILES[name])
 
 
 def main(argv=None):
     args = parse(argv)
-    args.meta = dict(bench.run_meta(), args=dict(vars(args)))
+    args.meta = dict(bench_ops.run_meta(), args=dict(vars(args)))
     for name in args.sections:
         print(f"\n== {name} ==")
         rows = SECTIONS[name](args)
         path = out_path(args, name)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        bench.save_rows(args, name, rows, path)
+        bench_ops.save_rows(args, name, rows, path)
 
 
 if __name__ == "__main__":

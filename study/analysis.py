@@ -4,7 +4,7 @@ results/<gpu>/study/: the gaps to BF16 paired by seed with Student-t intervals, 
 the loss curves, the Quartet-form scaling law (SPEC.md 6; fitted in law.py) with effN and effD
 per recipe and bootstrap intervals, and the report (report.md, report.json, curves_*.png, law.png).
 
-$ python study.py report                  # the same as analysis.report(results/<gpu>/study)
+$ python study/study.py report                 # the same as analysis.report(results/<gpu>/study)
 
 study.py runs the grid and records each run; nothing here trains or needs a GPU.
 """
@@ -17,7 +17,7 @@ import numpy as np
 
 from law import QUARTET_EFF, QUARTET_LAW, REFERENCE, bootstrap_eff, fit_auto, fit_law, law_loss, pooled_seed_sd
 from model import RECIPES, SIZES, fp4_blocks
-from study import LAUNCH_ONLY, load_records, reruns_of, tokens_label, write_json
+from records import LAUNCH_ONLY, load_records, reruns_of, tokens_label, write_json
 
 # every gap is against REFERENCE, bf16 (under the same optimizer, see reference_of); the published
 # gaps a user compares with
@@ -88,7 +88,7 @@ def group_order(groups):
 
 def flags_of(group, groups):
     """The train.py flags a group's runs were given (study.py's -- flags: its variant), less those
-    that change only how fast the same numbers come (study.LAUNCH_ONLY: --compile_mode)."""
+    that change only how fast the same numbers come (records.LAUNCH_ONLY: --compile_mode)."""
     flags = next(iter(groups[group].values())).get('flags') or ()
     return tuple(f for f in flags if f.lstrip('-').partition('=')[0] not in LAUNCH_ONLY)
 
@@ -528,7 +528,7 @@ def report(directory, exponents='auto', n_boot=200, log=print, min_tokens_per_pa
     the law is fitted to the cells at min_tokens_per_param or more."""
     records = load_records(directory)
     if not records:
-        raise FileNotFoundError(f'no run JSONs in {directory}: run `python study.py run` first')
+        raise FileNotFoundError(f'no run JSONs in {directory}: run `python study/study.py run` first')
     rows = gap_rows(records)
     law_md, fit = law_section(records, exponents, n_boot, min_tokens_per_param)
     cells = by_cell(records)
