@@ -18,7 +18,7 @@ import torch
 
 import fp4
 import cuda_kernels as kernels
-from train import git_state
+from runlog import git_state
 
 
 def bench(fn, warmup=3, reps=20):
@@ -744,7 +744,7 @@ def run_meta():
 
 
 def code_version():
-    """The commit measured (train.git_state: FP4_GIT_COMMIT where the tree's .git is not its own)."""
+    """The commit measured (runlog.git_state: FP4_GIT_COMMIT where the tree's .git is not its own)."""
     commit, dirty = git_state()
     return dict(commit=commit, dirty=dirty)
 

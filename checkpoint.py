@@ -11,8 +11,10 @@ Every way a checkpoint cannot be used ends in one line that names the file and s
 """
 import json
 import os
+import random
 import time
 
+import numpy as np
 import torch
 
 from model import RECIPES
@@ -173,6 +175,23 @@ def read_for_resume(out_dir, resume_from):
                 f'no older checkpoint is kept in {out_dir}: start a fresh run without --resume')
         raise SystemExit(f'{e}; {hint}')
     return ckpt, path
+
+
+def rng_states(cuda):
+    """Every RNG a step draws from (Python, numpy, torch, this rank's GPU): a resumed run goes on
+    with exactly the numbers the uninterrupted run would have drawn."""
+    s = {'python': random.getstate(), 'numpy': np.random.get_state(), 'torch': torch.get_rng_state()}
+    if cuda:
+        s['cuda'] = torch.cuda.get_rng_state()  # this rank's device
+    return s
+
+
+def set_rng_states(s, cuda):
+    random.setstate(s['python'])
+    np.random.set_state(s['numpy'])
+    torch.set_rng_state(s['torch'])
+    if 'cuda' in s and cuda:
+        torch.cuda.set_rng_state(s['cuda'])
 
 
 def optimizer_class(optimizer):

@@ -829,6 +829,23 @@ def lora_refit_due(step, interval, first):
     return ratio & (ratio - 1) == 0  # a power of two
 
 
+def lora_schedule_warning(max_iters, interval, first):
+    """What is wrong with a fullstack run's refit schedule (lora_refit_due), or None: L never
+    fitted, or fitted only at step 0, to the initial weights, whose top directions the trained W
+    does not keep (docs/fullstack.md, "How stale L gets")."""
+    if interval <= 0:
+        return (f'lora_refit_interval {interval}: L is never fitted, so it stays 0 '
+                '(the low-rank part does nothing; --lora_rank=-1 says so)')
+    first_refit = min(first, interval) if first > 0 else interval
+    if 1 < max_iters <= first_refit:
+        every = max(1, max_iters // 8)
+        return (f'L (LoRA-SVD) is fitted at step 0, to the initial weights, and never refit: max_iters '
+                f'{max_iters}, lora_refit_interval {interval}, lora_refit_first {first}. '
+                f'The trained W soon has other top directions (docs/fullstack.md: "How stale L gets"); '
+                f'--lora_refit_interval={every} refits it every {every} steps ({(max_iters - 1) // every} refits)')
+    return None
+
+
 def backends(device=None):
     """What this machine uses: the quantization path and the mm backend per format."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -15,15 +15,9 @@ summary.json.
 
 import contextlib
 import importlib.util
-import json
 import math
 import os
-import platform
-import random
-import resource
-import shutil
 import signal
-import subprocess
 import sys
 import time
 from contextlib import nullcontext
@@ -36,9 +30,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 import configurator
+import corpus
 import distributed
 import fp4
 import optim
+import runlog
+from runlog import log
 from model import (ATTENTIONS, END_BLOCKS, GPT, GPTConfig, RECIPES, RECOMPUTES, SIZES, Graphed, apply_recipe,
                    config_for, fp4_blocks, gemm_multiple, graphed)
 
@@ -110,13 +107,34 @@ else:
     eval_interval = 40
     eval_iters = 2
 
+COMPILE_MODES = ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs')
+# the rule of every key above, checked before any data or model is loaded (check_config):
+# a value outside it stops the run with one line naming the key, the value and what is allowed
+_C = configurator
+RULES = dict(
+    out_dir=_C.Text(r'[^\x00]+', 'a folder name'), log_interval=_C.Int(1), always_save_checkpoint=_C.Flag(),
+    resume=_C.Flag(), resume_from=_C.Text(r'[^\x00]*', 'a checkpoint file, or empty'), keep_checkpoints=_C.Int(1),
+    sample_tokens=_C.Int(0), eval_split_tokens=_C.Int(0, note='0: none'),
+    dataset=_C.Text(r'[\w.-]+', 'a folder name under data/'), data_dir=_C.Text(r'[^\x00]*', 'a folder, or empty'),
+    n_kv_head=_C.Int(0, note='0: as many as query heads'), recipe=_C.Choice(*RECIPES),
+    lora_rank=_C.Int(-1, note='-1: none, 0: the default rule'), lora_refit_interval=_C.Int(0, note='0: never'),
+    lora_refit_first=_C.Int(0, note='0: none'), end_blocks=_C.Choice(*END_BLOCKS), attention=_C.Choice(*ATTENTIONS),
+    loss_chunk=_C.Int(0, note='0: the whole logits'), recompute=_C.Choice(*RECOMPUTES),
+    optimizer=_C.Choice(*optim.OPTIMIZERS), ns_precision=_C.Choice('', *optim.NS_PRECISIONS),
+    optimizer_states=_C.Choice('', *optim.ROOT_STATES), weight_decay=_C.Float(0), beta1=_C.Float(0, 1, hi_open=True),
+    beta2=_C.Float(0, 1, hi_open=True), grad_clip=_C.Float(0, note='0: no clipping'),
+    warmup_iters=_C.Int(-1, note='-1: 10% of lr_decay_iters'), lr_decay_iters=_C.Int(-1, note='-1 or 0: max_iters'),
+    min_lr_frac=_C.Float(0, 1), device=_C.Text(r'cpu|cuda(:\d+)?', "'cpu', 'cuda' or 'cuda:N'"),
+    dtype=_C.Choice('float32', 'bfloat16'), compile=_C.Flag(), compile_mode=_C.Choice(*COMPILE_MODES),
+    fsdp=_C.Flag(), cuda_graph=_C.Flag(), seed=_C.Int(0, 2**32 - 1), debug_nan_step=_C.Int(-1),
+    model_size=_C.Choice(*SIZES), block_size=_C.Int(1), batch_size=_C.Int(1), gradient_accumulation_steps=_C.Int(1),
+    max_iters=_C.Int(1), learning_rate=_C.Float(0, lo_open=True), eval_interval=_C.Int(1), eval_iters=_C.Int(1),
+)
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 DEFAULTS = {k: globals()[k] for k in config_keys}
 HERE = os.path.dirname(os.path.abspath(__file__))
-COMPILE_MODES = ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs')
 CUDA_GRAPH_MODES = ('reduce-overhead', 'max-autotune')  # refused by check_config: measured to fail here
-_log_path = None  # out_dir/train.log on the master rank, set in main()
 _overrides = {}   # the keys that config files and --key=value set, set in setup()
 _resumed_step = None  # the step of the out_dir/ckpt.pt this run resumed from, set in init_run()
 
@@ -124,50 +142,30 @@ _resumed_step = None  # the step of the out_dir/ckpt.pt this run resumed from, s
 # setup: checks, distributed, logging
 
 def check_config():
-    if recipe not in RECIPES:
-        raise configurator.ConfigError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+    """Each key against its rule (RULES), then the combinations that cannot run together."""
+    configurator.check({k: globals()[k] for k in config_keys}, RULES)
     if recipe == 'float8' and importlib.util.find_spec('torchao') is None:
         raise configurator.ConfigError("recipe 'float8' is torchao's float8 training, and torchao is not "
                                        "installed: pip install torchao")
-    if attention not in ATTENTIONS:
-        raise configurator.ConfigError(f"unknown attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
-    if end_blocks not in END_BLOCKS:
-        raise configurator.ConfigError(f"unknown end_blocks {end_blocks!r}; choose one of {', '.join(END_BLOCKS)}")
-    if model_size not in SIZES:
-        raise configurator.ConfigError(f"unknown model_size {model_size!r}; "
-                                       f"choose one of {', '.join(SIZES)}")
-    if optimizer not in optim.OPTIMIZERS:
-        raise configurator.ConfigError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(optim.OPTIMIZERS)}")
-    if dtype not in ('float32', 'bfloat16'):
-        raise configurator.ConfigError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
-    if loss_chunk < 0:
-        raise configurator.ConfigError(f'loss_chunk must be 0 (whole logits) or a token count > 0, got {loss_chunk}')
-    if recompute not in RECOMPUTES:
-        raise configurator.ConfigError(f"unknown recompute {recompute!r}; choose one of {', '.join(RECOMPUTES)}")
+    if device.startswith('cuda') and not torch.cuda.is_available():
+        raise configurator.ConfigError(f'device={device!r}, but torch finds no CUDA device here: use --device=cpu')
     try:  # ns_precision / optimizer_states against the optimizer, before any model is built
         optim.build(torch.nn.Linear(16, 16), optimizer, ns=ns_precision or None, states=optimizer_states or None)
     except ValueError as e:
-        raise configurator.ConfigError(f'--optimizer={optimizer} with --ns_precision={ns_precision!r} '
-                                       f'--optimizer_states={optimizer_states!r}: {e}')
-    if compile_mode not in COMPILE_MODES:
-        raise configurator.ConfigError(f"unknown compile_mode {compile_mode!r}; choose one of {', '.join(COMPILE_MODES)}")
+        raise configurator.ConfigError(f'optimizer={optimizer!r} with ns_precision={ns_precision!r} '
+                                       f'optimizer_states={optimizer_states!r}: {e}')
     if compile and compile_mode in CUDA_GRAPH_MODES:
         raise configurator.ConfigError(
-            f'compile_mode={compile_mode!r} (CUDA graphs) fails in train.py on the H200 with torch 2.11: the '
-            'first backward after an eval reads activations that a later graph replay overwrote, with or '
-            'without torch.compiler.cudagraph_mark_step_begin() before each forward '
-            '(results/nvidia-h200/session8/smoke.log; PyTorch issues 152887, 169545). '
-            "Use 'default' or 'max-autotune-no-cudagraphs'; bench.py --compile-mode reduce-overhead "
-            'times a single training step, which does work')
+            f'compile_mode={compile_mode!r} (CUDA graphs) fails in train.py: the first backward after an '
+            'eval reads activations that a later graph replay overwrote (PyTorch issues 152887, 169545). '
+            "Use 'default' or 'max-autotune-no-cudagraphs', or --cuda_graph=True (docs/speed.md)")
     if cuda_graph and not device.startswith('cuda'):
         raise configurator.ConfigError(f'cuda_graph=True needs a CUDA device, got device={device!r}')
     if cuda_graph and recompute != 'none':
         raise configurator.ConfigError(f"cuda_graph=True with recompute={recompute!r}: the recompute's checkpoint "
                                        "saves and restores the GPU's RNG state, which a CUDA graph capture forbids")
-    if eval_split_tokens < 0:
-        raise configurator.ConfigError(f'eval_split_tokens must be 0 (none) or a token count, got {eval_split_tokens}')
-    if keep_checkpoints < 1:
-        raise configurator.ConfigError(f'keep_checkpoints must be at least 1, got {keep_checkpoints}')
+    if lr_decay_iters > 0 and warmup_iters > lr_decay_iters:
+        raise configurator.ConfigError(f'warmup_iters={warmup_iters} is longer than lr_decay_iters={lr_decay_iters}')
     check_shapes()
 
 def check_shapes():
@@ -198,118 +196,13 @@ def check_shapes():
                                        f'{mult}; model_size={model_size!r}, n_kv_head={n_kv_head} '
                                        f'give {bad}: choose another n_kv_head or model_size')
 
-def log(msg):
-    if _log_path is None:
-        return
-    print(msg, flush=True)
-    with open(_log_path, 'a') as f:
-        f.write(msg + '\n')
-
-def log_header(config):
-    """What a run needs to be reproduced and compared: command, versions, hardware, config."""
-    log(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(sys.argv)}")
-    log(f'python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}, '
-        f'{platform.platform()}')
-    commit, dirty = git_state()
-    log(f"git commit {commit or 'unknown'}{' (uncommitted changes)' if dirty else ''}")
-    if device.startswith('cuda'):
-        log(f'GPU: {torch.cuda.get_device_name()} x {torch.cuda.device_count()}, '
-            f'CUDA {torch.version.cuda}')
-    if shutil.which('nvidia-smi'):
-        log(subprocess.run(['nvidia-smi'], capture_output=True, text=True, timeout=30).stdout)
-    if recipe == 'float8':
-        import torchao
-        log(f'float8: torchao {torchao.__version__}, tensorwise scales')
-    elif recipe != 'bf16':
-        log(f'fp4 backends: {fp4.backends()}')
-    log('config: ' + json.dumps(config, sort_keys=True))
-
-def git_state():
-    """(commit, dirty) of the code that runs. FP4_GIT_COMMIT=<sha> names it where the checkout's
-    .git is not the tree's own (a copy of a working tree sent to a GPU machine with a stale .git):
-    then the tree is taken as that commit, clean."""
-    if os.environ.get('FP4_GIT_COMMIT'):
-        return os.environ['FP4_GIT_COMMIT'], False
-
-    def git(*args):
-        p = subprocess.run(['git', *args], cwd=HERE, capture_output=True, text=True, timeout=30)
-        return p.stdout.strip() if p.returncode == 0 else None
-    status = git('status', '--porcelain', '--untracked-files=no')
-    return git('rev-parse', 'HEAD'), None if status is None else bool(status)
-
-def peak_mem_gib():
-    if device.startswith('cuda'):
-        return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS, KiB on Linux
-
 # -----------------------------------------------------------------------------
 # data
 
 def load_data(master):
-    """Memmaps of the train and val tokens, and meta.json. data/pycode is made on first use."""
-    path = data_dir or os.path.join(HERE, 'data', dataset)
-    if not os.path.exists(os.path.join(path, 'train.bin')):
-        if data_dir or dataset != 'pycode':
-            raise SystemExit(f'{path}/train.bin not found: run data/{dataset}/prepare.py, or point '
-                             f'--data_dir at the folder with train.bin, val.bin and meta.json')
-        if master:
-            log(f'{path}/train.bin not found: preparing the default corpus (Python sources)')
-            script = os.path.join(path, 'prepare.py')  # a script, not a package: load by path
-            spec = importlib.util.spec_from_file_location('pycode_prepare', script)
-            prepare = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(prepare)
-            prepare.prepare(path)
-        if dist.is_initialized():
-            dist.barrier()  # the other ranks wait for the files
-    meta = read_meta(path)
-    data = {s: read_bin(os.path.join(path, f'{s}.bin'), meta['vocab_size']) for s in ('train', 'val')}
-    return data, meta
-
-def remake_hint():
-    if data_dir:
-        return (f'make {data_dir} again (train.bin, val.bin: uint32 token ids; meta.json: '
-                f'vocab_size), e.g. with data/<name>/prepare.py')
-    return f'run data/{dataset}/prepare.py again'
-
-def read_meta(path):
-    """meta.json, checked: the vocabulary size, and uint32 ids (what prepare.py writes)."""
-    fn = os.path.join(path, 'meta.json')
-    redo = remake_hint()
-    try:
-        with open(fn) as f:
-            meta = json.load(f)
-    except FileNotFoundError:
-        raise SystemExit(f'{fn} not found: it gives the vocabulary size of the .bin files; {redo}')
-    except (OSError, ValueError) as e:
-        raise SystemExit(f'{fn} is not readable JSON ({e}): {redo}')
-    if not isinstance(meta, dict) or not isinstance(meta.get('vocab_size'), int):
-        raise SystemExit(f'{fn} has no integer vocab_size: {redo}')
-    if meta.get('dtype', 'uint32') != 'uint32':
-        raise SystemExit(f"{fn} says the token ids are {meta['dtype']}; train.py reads uint32 "
-                         f'(4 bytes a token): {redo}')
-    return meta
-
-def read_bin(fn, vocab):
-    """A read-only memmap of uint32 token ids, after checking that the file is whole tokens,
-    long enough for a batch, and holds no id outside the vocabulary (the embedding would
-    fail on it mid-run, on a GPU as a device-side assert)."""
-    redo = remake_hint()
-    if not os.path.exists(fn):
-        raise SystemExit(f'{fn} not found: {redo}')
-    size = os.path.getsize(fn)
-    if size % 4:
-        raise SystemExit(f'{fn} is {size} bytes, not a whole number of uint32 tokens (4 bytes '
-                         f'each): it is truncated or was written with another dtype; {redo}')
-    arr = np.memmap(fn, dtype=np.uint32, mode='r') if size else np.zeros(0, np.uint32)
-    if len(arr) <= block_size + 1:
-        raise SystemExit(f'{fn} has {len(arr)} tokens, fewer than block_size + 2 = {block_size + 2}: '
-                         f'use more data or a smaller --block_size')
-    chunk = 1 << 24  # 64 MiB at a time: bounded memory for multi-GB files
-    top = max(int(arr[i:i + chunk].max()) for i in range(0, len(arr), chunk))
-    if top >= vocab:
-        raise SystemExit(f'{fn} holds token id {top}, but meta.json says vocab_size {vocab}: '
-                         f'the .bin files and meta.json do not match; {redo}')
-    return arr
+    """Memmaps of the train and val tokens, and meta.json (corpus.py checks them)."""
+    return corpus.load(data_dir or os.path.join(HERE, 'data', dataset), dataset, bool(data_dir), block_size,
+                       master, log)
 
 def get_batch(data, key):
     """x, y: (batch_size, block_size) int64. The offsets are a pure function of (seed, key),
@@ -414,19 +307,6 @@ def get_lr(it, warmup, decay_iters):
     ratio = (it - warmup) / max(1, decay_iters - warmup)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
-def rng_states():
-    s = {'python': random.getstate(), 'numpy': np.random.get_state(), 'torch': torch.get_rng_state()}
-    if device.startswith('cuda'):
-        s['cuda'] = torch.cuda.get_rng_state()  # this rank's device
-    return s
-
-def set_rng_states(s):
-    random.setstate(s['python'])
-    np.random.set_state(s['numpy'])
-    torch.set_rng_state(s['torch'])
-    if 'cuda' in s and device.startswith('cuda'):
-        torch.cuda.set_rng_state(s['cuda'])
-
 # -----------------------------------------------------------------------------
 # resuming: a run keeps its checkpoint's recipe, model shape and optimizer
 
@@ -494,7 +374,7 @@ def train_step(model, optimizer, data, it, accum, rank, ctx):
 
 def setup(argv):
     """Apply overrides, start DDP, pick the device. Returns (rank, world_size, ctx)."""
-    global device, _log_path, _overrides
+    global device, _overrides
     globals().update(DEFAULTS)  # fresh defaults each call: main() may run twice in a process
     _overrides = configurator.configure(DEFAULTS, argv)
     globals().update(_overrides)
@@ -510,10 +390,10 @@ def setup(argv):
     if gradient_accumulation_steps % world:
         raise configurator.ConfigError(f'gradient_accumulation_steps={gradient_accumulation_steps} '
                                        f'must be divisible by the {world} ranks')
-    _log_path = None
+    runlog.open_log(None)
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
-        _log_path = os.path.join(out_dir, 'train.log')
+        runlog.open_log(os.path.join(out_dir, 'train.log'))
     torch.manual_seed(seed + rank)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -565,27 +445,22 @@ def init_run(rank, data_meta):
         if os.path.abspath(path) == os.path.abspath(checkpoint.path_of(out_dir)):
             _resumed_step = iter_num  # kept as ckpt.<step>.pt when the next one replaces it
         rngs = ckpt['rng']
-        set_rng_states(rngs[rank] if rank < len(rngs) else rngs[0])
+        checkpoint.set_rng_states(rngs[rank] if rank < len(rngs) else rngs[0], device.startswith('cuda'))
     return model, model_args, opt, iter_num, history
 
 def finish(history, stats, model_args, model=None, meta=None):
     """Loss plot, summary.json and the one-line summary a device run collects; then a short
     sample of what the model writes, and where the files are."""
-    plot_losses(history, os.path.join(out_dir, 'loss.png'))
+    runlog.plot_losses(history, os.path.join(out_dir, 'loss.png'), f'{model_size}, recipe {recipe}')
     split = history.get('val_split') or (None, 0)
-    summary = dict(val_loss=history['val_loss'][-1] if history['val_loss'] else None,
-                   val_loss_split=split[0], val_split_tokens=split[1],
-                   tokens_per_s=stats['tokens_per_s'], peak_mem_gib=peak_mem_gib(),
+    summary = dict(val_loss=history['val_loss'][-1], val_loss_split=split[0], val_split_tokens=split[1],
+                   tokens_per_s=stats['tokens_per_s'], peak_mem_gib=runlog.peak_mem_gib(device),
                    recipe=recipe, optimizer=optimizer, model_size=model_size, model_args=model_args,
                    optimizer_state_bytes=stats['optimizer_state_bytes'],
                    iters=max_iters, tokens=stats['tokens'], wall_s=stats['wall_s'],
                    device=torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu',
                    loss_curve=history)
-    with open(os.path.join(out_dir, 'summary.json'), 'w') as f:
-        json.dump(summary, f, indent=1)
-    log(f"val_loss={summary['val_loss']:.4f} tokens_per_s={summary['tokens_per_s']:.0f} "
-        f"peak_mem_gib={summary['peak_mem_gib']:.3f}"
-        + (f" val_loss_split={split[0]:.4f}" if split[0] is not None else ''))
+    runlog.write_summary(out_dir, summary)
     if model is not None and sample_tokens > 0:
         show_sample(model, meta)
     log(f"loss plot: {os.path.join(out_dir, 'loss.png')}, summary: "
@@ -594,32 +469,14 @@ def finish(history, stats, model_args, model=None, meta=None):
 
 def show_sample(model, meta):
     """What the model writes after 'def ', so the first run shows what it learned."""
-    import sample  # generation lives there; imported here, as sample.py imports train
+    import sample  # generation: only when a run ends with a sample
     text = sample.generate_text(model, meta, 'def ', 1, sample_tokens, seed=seed)[0]
     log(f'--- a sample ({sample_tokens} tokens after "def "; more: python sample.py '
         f'--out_dir={out_dir}) ---\n{text}\n---')
 
-def plot_losses(history, path):
-    try:
-        import matplotlib
-        matplotlib.use('Agg')  # no display needed
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log('matplotlib not installed: no loss.png')
-        return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(history['steps'], history['train_loss'], lw=0.8, label='train (each step)')
-    ax.plot(history['val_steps'], history['val_loss'], 'o-', label='val')
-    ax.set(xlabel='step', ylabel='loss', title=f'{model_size}, recipe {recipe}')
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
 def eval_and_checkpoint(model, raw_model, optimizer, data, ctx, run):
     """Eval both splits; then save model, optimizer, RNG states and data position."""
-    rank, world, it = run['rank'], run['world'], run['iter_num']
+    rank, it = run['rank'], run['iter_num']
     losses = estimate_loss(model, data, ctx, rank)
     history = run['history']
     history['val_steps'].append(it)
@@ -627,6 +484,9 @@ def eval_and_checkpoint(model, raw_model, optimizer, data, ctx, run):
     history['eval_train_loss'].append(losses['train'])
     history.setdefault('val_loss_se', []).append(losses['val_se'])  # setdefault: older checkpoints
     log(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+    if not (math.isfinite(losses['train']) and math.isfinite(losses['val'])):
+        raise SystemExit(f"non-finite eval loss at step {it} (train {losses['train']}, val {losses['val']}): "
+                         f"stopped without saving; {checkpoint.path_of(out_dir)} is the last good state")
     if not always_save_checkpoint or it == run['start_iter']:
         return  # nothing new to save
     write_checkpoint(raw_model, optimizer, run)
@@ -634,10 +494,10 @@ def eval_and_checkpoint(model, raw_model, optimizer, data, ctx, run):
 def write_checkpoint(raw_model, optimizer, run):
     """Gather every rank's RNG states; rank 0 saves model, optimizer, RNGs and data position."""
     rank, world, it = run['rank'], run['world'], run['iter_num']
-    rngs = [rng_states()]
+    mine = checkpoint.rng_states(device.startswith('cuda'))
+    rngs = [mine] if world == 1 else [None] * world  # every rank's RNG, so each resumes its own stream
     if world > 1:
-        rngs = [None] * world  # every rank's RNG, so each resumes its own stream
-        dist.all_gather_object(rngs, rng_states())
+        dist.all_gather_object(rngs, mine)
     model_state, optimizer_state = distributed.full_state_dicts(raw_model, optimizer, fsdp)  # every rank: FSDP2 gathers
     if rank == 0:
         # data position = the step: get_batch is a pure function of (seed, step)
@@ -655,22 +515,16 @@ def main(argv=None):
     rank, world, ctx = setup(sys.argv[1:] if argv is None else argv)
     config = {k: globals()[k] for k in config_keys}
     if rank == 0:
-        log_header(config)
+        runlog.header(config, fp4.backends() if recipe not in ('bf16', 'float8') else None)
     data, meta = load_data(rank == 0)
     epochs = max_iters * batch_size * block_size * gradient_accumulation_steps / len(data['train'])
     if epochs > 1:
         log(f'warning: the run repeats its training data: {max_iters} steps read {epochs:.2f} epochs '
             f"of the {len(data['train']):,}-token train split")
-    first_refit = min(lora_refit_first, lora_refit_interval) if lora_refit_first > 0 else lora_refit_interval
-    if recipe == 'fullstack' and lora_rank != -1 and lora_refit_interval <= 0:
-        log(f'warning: lora_refit_interval {lora_refit_interval}: L is never fitted, so it stays 0 '
-            '(the low-rank part does nothing; --lora_rank=-1 says so)')
-    elif recipe == 'fullstack' and lora_rank != -1 and 1 < max_iters <= first_refit:
-        every = max(1, max_iters // 8)
-        log(f'warning: L (LoRA-SVD) is fitted at step 0, to the initial weights, and never refit: max_iters '
-            f'{max_iters}, lora_refit_interval {lora_refit_interval}, lora_refit_first {lora_refit_first}. '
-            f'The trained W soon has other top directions (README: "How stale L gets"); '
-            f'--lora_refit_interval={every} refits it every {every} steps ({(max_iters - 1) // every} refits)')
+    if recipe == 'fullstack' and lora_rank != -1:
+        warning = fp4.lora_schedule_warning(max_iters, lora_refit_interval, lora_refit_first)
+        if warning:
+            log(f'warning: {warning}')
     if eval_split_tokens > 0:
         split_batches(len(data['val']), world)  # fail now, not after the run
     raw_model, model_args, optimizer, iter_num, history = init_run(rank, meta)
@@ -729,7 +583,7 @@ def main(argv=None):
                 eta = step_ema * (max_iters - iter_num - 1) / 60
                 log(f'step {iter_num}/{max_iters} | loss {loss:.4f} | lr {lr:.2e} | norm {norm:.2f} | '
                     f'{tokens_per_step / dt:,.0f} tok/s | {dt * 1000:.0f} ms | '
-                    f'mem {peak_mem_gib():.2f} GiB | eta {eta:.1f} min')
+                    f'mem {runlog.peak_mem_gib(device):.2f} GiB | eta {eta:.1f} min')
             iter_num = run['iter_num'] = iter_num + 1
             if distributed.stop_requested(device):
                 write_checkpoint(raw_model, optimizer, run)  # the step just taken; every rank joins in

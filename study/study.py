@@ -41,6 +41,7 @@ sys.path.insert(0, ROOT)  # run as `python study/study.py` from anywhere
 
 import analysis  # noqa: E402
 import configurator  # noqa: E402
+import runlog  # noqa: E402
 import train  # noqa: E402
 from model import GPT, RECIPES, SIZES, config_for  # noqa: E402
 from records import LAUNCH_ONLY, load_records, reruns_of, tokens_label, write_json  # noqa: E402,F401
@@ -402,7 +403,7 @@ def run_study(runs, directory, base_flags=(), settings=SETTINGS, jobs=1, budget_
     if not todo:
         return [], []
     os.makedirs(directory, exist_ok=True)
-    commit, dirty = train.git_state()
+    commit, dirty = runlog.git_state()
     # prepared before the first run starts (the budget counts it): a variant may use other data
     corpora = {data_path(cfg): cfg for _, cfg in todo}
     corpora = {path: corpus(cfg) for path, cfg in corpora.items()}

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import analysis
+import runlog
 import study
 import train
 from model import GPT, config_for
@@ -255,7 +256,7 @@ def test_gpu_processes_counts_nvidia_smi_lines(monkeypatch):
 def test_same_init_and_batches_across_recipes(tmp_path, monkeypatch):
     """What pairing by seed rests on: one seed gives every recipe the same initial weights
     and the same batches; another seed gives other ones."""
-    monkeypatch.setattr(train, '_log_path', None)
+    monkeypatch.setattr(runlog, '_path', None)
     data = {'train': np.arange(5000, dtype=np.uint32) % 256}
     states, batches = {}, {}
     for recipe, seed in (('bf16', 3), ('quartet' if HAVE_FP4 else 'bf16', 3), ('bf16', 4)):
