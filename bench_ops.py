@@ -215,7 +215,7 @@ def section_kernels(args):
 
 # ---------------------------------------------------------------------------------------------
 # fusion: the most that fusing each FP4 linear's input quantize into the op before it could save
-# (issue #10 item 3). Fused, RMSNorm -> quantize (qkv, gate_up) and SwiGLU -> quantize (down)
+# (docs/speed.md). Fused, RMSNorm -> quantize (qkv, gate_up) and SwiGLU -> quantize (down)
 # would never write their BF16 output nor read it back; everything else stays. So the gain is at
 # most one write + one read of those activations: timed here as device copies of the same sizes.
 

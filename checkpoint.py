@@ -202,7 +202,7 @@ def load_optimizer_state(model, optimizer, ckpt, path):
     """The optimizer state, refused if it belongs to another optimizer: torch's load_state_dict
     checks only the parameter counts, and a foreign state would then fail (or worse, not fail)
     in the first step. One written by FSDP2 (keyed by name) is loaded by name, each rank keeping
-    its rows of every state (with or without FSDP now)."""
+    its rows of every state (whether this run uses FSDP or not)."""
     saved, ours = ckpt.get('optimizer_class'), optimizer_class(optimizer)
     if saved is not None and saved != ours:
         raise SystemExit(f'{path} holds the state of a {saved} optimizer, but this run builds '

@@ -3,7 +3,7 @@ turns TF32 on for the whole process, as a training run should; a test or fixture
 in-process must not change the FP32 numerics of the tests after it (on a GPU, a TF32 GEMM differs
 from an exact one by ~1e-3). The flags are set before each test, not only restored after it: a
 module-scoped fixture that trains runs before the first test's function-scoped fixtures (so
-test_sample.py's GPU test ran its FP32 comparison in TF32 on the H200, session 7)."""
+a GPU test once ran its FP32 comparison in TF32 that way)."""
 import pytest
 import torch
 

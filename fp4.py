@@ -17,7 +17,7 @@ Bit-exactness contract with the kernels (everything in FP32, no fused multiply-a
   - Block sums (QuEST's sigma, four_over_six's error, MS-EDEN's correction) are halving trees:
     element j is added to element j + n/2, then the first half is summed the same way. A warp's
     butterfly reduction (__shfl_xor 16, 8, 4, 2, 1 over one element per lane) gives exactly this.
-  - Stochastic rounding (SPEC 4, revised 2026-12-01: the rule of FP4 hardware) takes 8 random
+  - Stochastic rounding (SPEC 4: the rule of FP4 hardware) takes 8 random
     bits an element: element i = row * K + k of the QTensor's layout (quantized axis last) takes
     byte i mod 4 of the word W(seed, i div 4), W(seed, j) = lowbias32(lo32(j) ^ key(seed, j >> 32))
     (see random_bytes); code magnitude = ((floor(a * 256 / step) + byte) >> 8) * step.

@@ -404,9 +404,8 @@ def adamw_nvfp4_reference(p, m, v, c):
 # The fused GPU path: kernels.cu's adamw_nvfp4, launched twice per parameter tensor through
 # kernels.launch (pass 1: the new states' amaxes for the NVFP4 tensor scales; pass 0: everything else).
 
-# fused=None means the kernel wherever it applies. Its first H200 run (2026-12-01) failed in every
-# case, from a bug in the test (states compared by position; found through the whole-kernel host
-# emulation and fixed); the rerun passed in all 12 formats (results/nvidia-h200/pytest_h200_fused_adamw.txt).
+# fused=None means the kernel wherever it applies; it matches the reference bit for bit in all 12
+# formats on the H200 (test_optim.py's GPU tests; results/README.md).
 # FP4_ADAMW_FUSED=0 sends None to the PyTorch reference instead (the same bits, ~5x slower at 1B).
 FUSED_BY_DEFAULT = os.environ.get("FP4_ADAMW_FUSED", "1") != "0"
 

@@ -100,7 +100,7 @@ def whole_matrix_check(rank):
 
 def worker(rank, name, argv, spy, port, out):
     """One rank of one run. A fresh pair of processes for every run: re-initialising a process
-    group in the same process hangs now and then (pytorch/pytorch#74666, #119196)."""
+    group in the same process hangs now and then (PyTorch issues 74666 and 119196)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
                       MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), OMP_NUM_THREADS='1')
     torch.set_num_threads(1)

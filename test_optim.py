@@ -327,7 +327,7 @@ def test_state_dict_round_trip_and_resume_exactly():
 
 
 def test_state_bytes_of_the_1b_parameter_set():
-    """The NVFP4 states of the ~1B Llama hold <= 1.2 B/param (issue 11), counted on the meta
+    """The NVFP4 states of the ~1B Llama hold <= 1.2 B/param (docs/fullstack.md), counted on the meta
     device; FP32 states hold 8. Exact count: m and v 2 x (1/2 + 1/16) B/element, plus the means of
     sqrt(v) (4 B per 128-block, row or tensor) and 4 B tensor scales per quantized tensor, 8
     B/element for the FP32 ones, 4 B of step counter per parameter."""

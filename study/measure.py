@@ -16,10 +16,8 @@ regression's loss. root_states: ROOT's momentum held in FP32, BF16, one or two N
 recursion replayed on a synthetic gradient stream (and the tiny LM trained). lora_rank: how much the BF16 rank-r part (LoRA-SVD, SPEC 8.4) cuts a linear
 layer's FP4 error, by rank. Each section returns rows (dicts), printed as they come; they are
 written with the run's meta (bench_ops.run_meta, the option values under "args") to
-results/<gpu-name-slug>/ (--out: another folder, or with one section a .json file name) under the
-names these sections had when ns and states lived in bench.py and lora_rank in lora_rank.py:
-bench_ns.json, bench_states.json, lora_rank.json, so the committed results keep their names
-(root_states, new: measure_root_states.json).
+results/<gpu-name-slug>/ (--out: another folder, or with one section a .json file name) as
+bench_ns.json, bench_states.json, measure_root_states.json and lora_rank.json.
 """
 import argparse
 import math

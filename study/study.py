@@ -129,7 +129,7 @@ def train_config(run, base_flags=(), settings=SETTINGS, work_dir=None):
 def eval_batches(full, tokens):
     """Batches per split of each curve eval: `full` for runs of FULL_EVAL_TOKENS or more, in
     proportion below (at least min(full, 10)): at 50 batches, a 13M-token run would spend ~40% of
-    its time on evals, whose number is now the split loss at the end (eval_split_tokens)."""
+    its time on evals, whose number is the split loss at the end (eval_split_tokens)."""
     return max(min(full, 10), round(full * min(1.0, tokens / FULL_EVAL_TOKENS)))
 
 def step_tokens(cfg):

@@ -204,8 +204,8 @@ def test_law_fit_bounds_an_effective_factor_the_data_leave_free():
     assert any('x at the' in p and 'not pinned' in p for p in fit['problems']), fit['problems']
 
 def test_report_fits_no_factors_for_a_recipe_at_one_size(tmp_path):
-    """bf16 at 3 sizes x 2 budgets, quartet at one size x 2 budgets (this study's state after
-    session 12): two equations leave effN and effD unseparated. The report fits bf16, names
+    """bf16 at 3 sizes x 2 budgets, quartet at one size x 2 budgets (a study's state before
+    its second size has FP4 runs): two equations leave effN and effD unseparated. The report fits bf16, names
     quartet among the recipes it gives no factors for, and has no row for it."""
     for size in ('30m', '50m', '100m'):
         N = study.n_params(size, 512)
