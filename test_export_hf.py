@@ -7,7 +7,6 @@ $ python -m pytest test_export_hf.py -q
 
 import json
 import os
-import sys
 from dataclasses import asdict
 
 import pytest
@@ -205,16 +204,3 @@ def test_cl100k_tokenizer_loads_in_transformers(tmp_path):
     assert tok.decode(ids) == text
     assert tok.convert_tokens_to_ids(['<|endoftext|>', '<|endofprompt|>']) == [100257, 100276]
     assert tok.eos_token == '<|endoftext|>' and tok('<|endoftext|>x')['input_ids'] == [100257, 87]
-
-
-def test_no_module_here_shadows_an_installed_package():
-    """A file here named like an installed package hides that package from every import run in
-    this folder: kernels.py hid Hugging Face's `kernels`, which transformers >= 5 imports, and
-    `from transformers import LlamaForCausalLM` failed here (hence cuda_kernels.py)."""
-    import importlib.metadata
-    here = os.path.dirname(os.path.abspath(__file__))
-    mine = {f[:-3] for f in os.listdir(here) if f.endswith('.py')}
-    mine |= {d for d in os.listdir(here) if os.path.isfile(os.path.join(here, d, '__init__.py'))}
-    installed = importlib.metadata.packages_distributions()  # top-level import name -> distributions
-    clashes = {name: installed[name] for name in sorted(mine & set(installed))}
-    assert not clashes, f'modules here shadow installed packages (name: distributions): {clashes}'
