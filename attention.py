@@ -717,7 +717,7 @@ def _codes_mode():
     codes: the kernels read the packed codes and E4M3 scales and decode in registers, the same
     numbers (tested equal). On Hopper that decode runs again for every (query block, key tile) pair,
     with byte loads (SASS: LDG.E.U8 + STS.U16 an element): measured on the H200, 3.2 ms forward and
-    22.9 ms forward + backward at B 8, H 16, T 2048, D 128 against SDPA's 0.28 and 1.14 (README)."""
+    22.9 ms forward + backward at B 8, H 16, T 2048, D 128 against SDPA's 0.28 and 1.14 (docs/fullstack.md)."""
     return os.environ.get("FP4_ATTENTION_OPERANDS", "bf16") == "codes"
 
 
@@ -742,7 +742,7 @@ def _launch_shape(qq, kq):
 
 # Launch settings: 4 warps, 2 stages, the fastest of bench.py's candidates on the H200 in two
 # sessions (forward 0.75-0.77 ms, backward 5.31-7.29 ms against 6.38-8.17 ms at 8 warps, 1B shape;
-# results/nvidia-h200/session9,10/bench_attention.json). The numbers do not depend on them.
+# results/nvidia-h200/attention/bench_attention.json). The numbers do not depend on them.
 NUM_WARPS, NUM_STAGES = 4, 2
 
 

@@ -200,7 +200,7 @@ def nv128_rows_layout():
     quad a group, 32 elements a lane, the last Hadamard stages and MS-EDEN's sums by shuffles) or
     'group' (one thread a group, 255 registers). Both are bit-exact (the quad in host emulation);
     'quad' is the default: 2.0x faster on the H200 for a 16384 x 8192 BF16 tensor, bit-equal to
-    'group' (results/nvidia-h200/session9/nv128.txt); FP4_NV128_ROWS=quad|group selects."""
+    'group' (results/nvidia-h200/kernels/nv128_group_vs_quad.txt); FP4_NV128_ROWS=quad|group selects."""
     forced = os.environ.get("FP4_NV128_ROWS")
     return forced if forced in ("quad", "group") else "quad"
 
@@ -210,7 +210,7 @@ def nv128_cols_layout():
     blockDim 128, a lane quad a tile column, lane q holding its rows 32q..32q+31, then
     nv128_rows_layout's quad math) or 'group' (one thread a column, 32 threads, 255 registers). Both
     are bit-exact; 'quad' is the default: 1.9-2.0x faster on the H200, bit-equal to 'group'
-    (results/nvidia-h200/session9/nv128.txt); FP4_NV128_COLS=quad|group selects."""
+    (results/nvidia-h200/kernels/nv128_group_vs_quad.txt); FP4_NV128_COLS=quad|group selects."""
     forced = os.environ.get("FP4_NV128_COLS")
     return forced if forced in ("quad", "group") else "quad"
 
@@ -300,7 +300,7 @@ def nv_amax_mode():
     own, wherever nv_amax_variant applies) or 'fused' (the quantize kernel itself with pass = 1, the
     only way before). Both give the same bits (kernels.cu, "NVFP4 tensor amax"; bit-equal on the
     H200, test_nv_amax_kernel_matches_fused). 'kernel' is the default: on the H200 the pre-pass
-    takes 0.093 ms against 0.306 ms fused at 16384x8192 (results/nvidia-h200/session10/).
+    takes 0.093 ms against 0.306 ms fused at 16384x8192 (results/nvidia-h200/kernels/bench_kernels.json).
     FP4_NV_AMAX=kernel|fused selects (bench.py times both)."""
     forced = os.environ.get("FP4_NV_AMAX")
     return forced if forced in ("kernel", "fused") else "kernel"

@@ -314,7 +314,7 @@ MM_BACKENDS = ("emulated", "bf16", "fp8", "native")
 # Every folded MXFP4 element is m * 2^(d - 1), m an integer <= 12, d >= -span (the row's block-
 # exponent span), so products are multiples of 2^(-2 - span_a - span_b) and at most 36 in size:
 # every partial sum is exact while K * 144 * 2^(span_a + span_b) <= 2^FAST_ACCUM_BITS. Measured
-# on the H200 (bench.py --sections accum, results/nvidia-h200/bench_accum.json): the fast mode
+# on the H200 (bench.py --sections accum, results/nvidia-h200/linear/bench_accum.json): the fast mode
 # keeps 14 significant bits, so it is provably exact only for K <= 113 at span 0. Real layers
 # (K >= 2048) therefore use the promoted (exact FP32) mode; the 1.95x fast-mode probe in SPEC 7
 # was exact only because its partial sums happened to stay small. 0 disables the fast mode.
@@ -455,7 +455,7 @@ def native_args(a, b):
 
 
 def _mm_native(a, b, out_dtype):
-    """Blackwell (sm_100 / sm_120) native FP4 GEMM. NOT YET RUN ON HARDWARE (see README)."""
+    """Blackwell (sm_100 / sm_120) native FP4 GEMM. Not run on hardware here: python -m fp4 check verifies it (docs/numerics.md)."""
     y = torch.nn.functional.scaled_mm(**native_args(a, b), output_dtype=torch.float32)
     if a.fmt == "nvfp4":
         y = y * (a.tensor_scale * b.tensor_scale)
@@ -481,7 +481,7 @@ RECIPES = {
     "quartet2": dict(fmt="nvfp4", x=dict(scale_rule="four_over_six"), w=dict(scale_rule="four_over_six"),
                      dgrad_e=_EDEN, dgrad_w=_EDEN, wgrad_e=_EDEN, wgrad_x=_EDEN, rotate_back=0),
     # Full-Stack FP4 (SPEC 8.4): these FP4 GEMMs run on R = W - L (see "LoRA-SVD" below). The
-    # backward is quartet2's: lower gradient error than nvfp4's treatment, measured (README)
+    # backward is quartet2's: lower gradient error than nvfp4's treatment, measured (docs/fullstack.md, LoRA-SVD)
     "fullstack": dict(fmt="nvfp4", x=dict(scale_rule="four_over_six"), w=dict(scale_rule="four_over_six"),
                       dgrad_e=_EDEN, dgrad_w=_EDEN, wgrad_e=_EDEN, wgrad_x=_EDEN, rotate_back=0),
 }
@@ -712,7 +712,7 @@ def to_fp4(model, recipe="quartet", skip=None, lora_rank=0):
 
 LORA_OVERSAMPLE = 16  # p: Halko et al. suggest 5-10; a refit is rare, so spend a little more
 LORA_POWER_ITERS = 4  # q: subspace iterations (A A^T)^q A Omega, for slowly decaying spectra
-LORA_FRACTION = 1 / 16  # default rank: this fraction of min(in, out), in multiples of 16 (README)
+LORA_FRACTION = 1 / 16  # default rank: this fraction of min(in, out), in multiples of 16 (docs/fullstack.md, LoRA-SVD)
 
 
 def lora_rank_for(in_features, out_features):

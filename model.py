@@ -149,7 +149,7 @@ class CausalSelfAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # generating: attend to the cached positions too. SDPA in BF16:
             k, v = cache.update(self, k, v)  # (B, nkv, S, hs), S = cached + T; FP4 attention
-            mask = causal_mask(T, k.size(2), x.device)  # quantizes whole sequences (README)
+            mask = causal_mask(T, k.size(2), x.device)  # quantizes whole sequences (docs/fullstack.md, FP4 attention)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nkv != nh)
         else:  # SDPA (flash/cuDNN) or FP4 attention; each kv head serves nh/nkv q heads (GQA)
             y = attention(q, k, v, causal=True, fmt=self.fmt)
@@ -192,7 +192,7 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, cache=None):
         x = x + self.attn(self.ln_1(x), cos, sin, cache)
         if self.recompute_mlp and torch.is_grad_enabled():
-            # keep only x: the backward reruns ln_2 -> gate_up -> SwiGLU (README: recomputing the MLP):
+            # keep only x: the backward reruns ln_2 -> gate_up -> SwiGLU (docs/speed.md: memory):
             # gate_up's (B, T, 2 ffn_hidden) output and ln_2's and gate_up's saved tensors are
             # not held from the forward to the backward. Same numbers: the forward draws no
             # random numbers, and checkpoint restores the RNG state around the rerun anyway

@@ -22,7 +22,7 @@ import fp4
 #
 # precision='nvfp4' runs the GEMMs on NVFP4 operands (fp4.quantize along the contraction dim,
 # fp4.mm). Casting the three GEMMs of every step diverges (SPEC 8.2); the measurements that chose
-# the design below are in README "Muon and ROOT with FP4 Newton-Schulz" (measure.py --sections ns).
+# the design below are in docs/fullstack.md, "Muon and ROOT" (study/measure.py --sections ns).
 # What made it accurate, one step at a time:
 # - residual form: quantize D = A - mu I (mu = tr(A) / m) instead of A, and B' = B - beta I
 #   instead of B, with X_new = (a + beta) X + B' X. A and B are dominated by their diagonal once X
@@ -46,7 +46,7 @@ ROOT_COEFFICIENTS = {
     (2048, 16384): (3.1943, -3.8221, 1.5322),
 }
 NS_PRECISIONS = ("fp32", "bf16", "nvfp4")
-# How each step of an nvfp4 iteration runs, per design (measured in the README):
+# How each step of an nvfp4 iteration runs, per design (measured in docs/fullstack.md):
 #   'n' naive: Muon's form, A, A A and B X each one NVFP4 GEMM, no guard
 #   'f' residual form + guard, one NVFP4 GEMM per product
 #   'c' residual form + guard, compensated (two-term) operands, all GEMMs NVFP4
@@ -237,7 +237,7 @@ _NS_STEPS = {
 # replayed: the same kernels on the same values.
 
 # ROOT's ns_graph default: on (the H200: train.py 30M bf16 + root_fp4 at 277,938 tokens/s against
-# 72,892 without, +0.2 GiB; results/nvidia-h200/session10/ns_graph_*.log); FP4_NS_GRAPH=0 turns it off
+# 72,892 without, +0.2 GiB; results/nvidia-h200/optim/train_30m_root_fp4_ns_graph_*.log); FP4_NS_GRAPH=0 turns it off
 NS_GRAPH = os.environ.get("FP4_NS_GRAPH", "1") == "1"
 
 

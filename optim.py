@@ -477,7 +477,7 @@ def kth_smallest(x, k):
     the last is the one (a min over them would let a NaN through). No host sync. On the H200 it
     takes 0.30 ms on a 30M MLP matrix and 0.47 ms on a 1B one, against 1.25 and 9.8 ms for the
     two 16-bit histograms it replaces and 4.9 and 75 ms for kthvalue, which selects within one
-    CTA per slice (results/nvidia-h200/session13; unsorted, with a min, 0.17 and 0.33 ms)."""
+    CTA per slice (measured on the H200; unsorted, with a min, 0.17 and 0.33 ms)."""
     if x.ndim != 1 or x.dtype != torch.float32 or not 1 <= k <= x.numel():
         raise ValueError(f"kth_smallest takes a 1-D float32 tensor and 1 <= k <= numel, got "
                          f"{x.dtype} {tuple(x.shape)} and k={k}")
@@ -571,7 +571,7 @@ class ROOT(PackedStates, torch.optim.Optimizer):
 # orthogonalised update: each step's re-quantization adds an error of ~10% of |m| (NVFP4's
 # relative RMS error), the EMA keeps the last ~1 / (1 - beta^2) = 10 of them, so m is 20-35% off,
 # and Newton-Schulz maps every direction of that noise to a singular value ~1, as it does the
-# signal's. measure.py --sections root_states replays the recursion (README, "The momentum's
+# signal's. measure.py --sections root_states replays the recursion (docs/fullstack.md, "The momentum's
 # format"): the update's cosine to the FP32-momentum update is 0.54-0.86 with one term, 0.981-0.999
 # with two terms rounded to nearest (the second holds the first's error: ~2.5% of |m| is left),
 # 0.999-1.000 in BF16, against 0.995-0.999 for NVFP4 Newton-Schulz itself. At 30M one term cost

@@ -140,7 +140,7 @@ def test_attention_does_not_keep_qkvs_output(variant):
 
 
 def test_kernel_families():
-    names = {  # profiler names as torch 2.11 gives them on the H200 (results/nvidia-h200/session7)
+    names = {  # profiler names as torch 2.11 gives them on the H200 (results/nvidia-h200/step/bench_step_profile_30m.json)
         'void quant_cols<1, 128, true, 0, 2>(void const*, unsigned char const*, float const*, unsig': 'fp4 (kernels.cu)',
         'void quant_rows_fold<1, 1, 0>(void const*, unsigned int': 'fp4 (kernels.cu)',
         '_bwd_dkdv_kernel': 'fp4 attention (Triton)',

@@ -40,7 +40,7 @@ LOSS_ATOL = 1e-4
 # quartet after an update: its forward rounds each weight to an FP4 code, a step function, so a
 # weight a few ulps either side of a rounding boundary takes codes one FP4 step apart. How often
 # that happens depends on the CPU's vector code (the clipping norm's sums): here FSDP2 and DDP end
-# 1e-6 apart after 4 steps, on the H200 host's CPU 1.8e-3 (results/nvidia-h200/session7). What the
+# 1e-6 apart after 4 steps, on the H200 host's CPU 1.8e-3 (measured on the H200 host). What the
 # quartet test tells apart is the SR noise stream: runs drawing different streams (one process vs
 # DDP) differ by 0.004 to 0.08 in the train losses of steps 1-3 and by 0.18 and 0.20 in the val
 # losses of steps 2 and 4. 1e-2 lies between the two for the val losses.

@@ -374,7 +374,7 @@ def test_fullstack_cuts_quantization_error():
     """On weights with decaying spectra and on trained weights, fullstack's output and input-
     gradient errors are lower than the same recipe without L (four_over_six NVFP4) by at least
     10%, and by about what ||R||_F = sqrt(1 - e_r) ||W||_F predicts (e_r: the top-r share of
-    ||W||_F^2; README): within 5 points for these Gaussian X and E. Each weight's reductions are
+    ||W||_F^2; docs/fullstack.md): within 5 points for these Gaussian X and E. Each weight's reductions are
     in the message."""
     s = (1 + torch.arange(256, dtype=torch.float32)) ** -0.5
     weights = {"decaying": [0.02 * 16 * _spectrum_matrix(256, 256, s, seed=2)], "trained": _trained_weights()}
@@ -406,7 +406,7 @@ class _Record(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def test_fullstack_gemm_operands(monkeypatch):
-    """SPEC 8.4 with the backward chosen in README: forward Q(x) Q(R)^T (four_over_six NVFP4
+    """SPEC 8.4 with the backward chosen in docs/fullstack.md: forward Q(x) Q(R)^T (four_over_six NVFP4
     along K, R = W - L exactly), dgrad Q(E) Q(R) along N, wgrad Q(E)^T Q(X) along M, both
     backward GEMMs RHT-128 + MS-EDEN with shared signs; the rank-r part in BF16:
     (x V_r)(U_r S_r)^T and (E U_r S_r) V_r^T; nothing else touches the weight."""

@@ -83,7 +83,7 @@ def test_ns_bf16_tracks_fp32():
 
 
 # nvfp4 quality bound, on a 128 x 384 Gaussian matrix (Marchenko-Pastur spectrum, the hard case:
-# no dominant direction) and on a power-law spectrum. Measured (measure.py --sections ns, README):
+# no dominant direction) and on a power-law spectrum. Measured (study/measure.py --sections ns, docs/fullstack.md):
 # compensated_tail within 0.005 of bf16 on every 30m / 1b shape; here, bound 0.01 (the issue's
 # goal). The naive cast must fail the same bound, or the test could not tell the designs apart.
 def nv_inputs():

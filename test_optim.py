@@ -252,7 +252,7 @@ def test_stagnation_round_to_nearest_against_stochastic():
     """With round to nearest an EMA increment below half a grid step is lost at every step, so m
     stalls on its way through a sign flip; stochastic rounding keeps the increments in expectation.
     For v the stall is towards a too large v (a smaller step), and SR's noise, squared, biases v
-    up as well: measured, RN is no worse there (README)."""
+    up as well: measured, RN is no worse there (docs/fullstack.md)."""
     m_rn, m_sr = _ema_error("signed", "rn"), _ema_error("signed", "sr")
     v_rn, v_sr = _ema_error("sqrt", "rn"), _ema_error("sqrt", "sr")
     print(f"\nelements > 20% off after 60 steps: m RN {m_rn:.3f} SR {m_sr:.3f}; v RN {v_rn:.3f} SR {v_sr:.3f}")

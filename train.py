@@ -78,7 +78,7 @@ min_lr_frac = 0.1         # cosine ends at learning_rate * min_lr_frac
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'bfloat16' if torch.cuda.is_available() else 'float32'  # autocast dtype
 compile = torch.cuda.is_available()
-compile_mode = 'default'  # torch.compile's mode; the CUDA-graph ones (reduce-overhead) are refused: README, Speed
+compile_mode = 'default'  # torch.compile's mode; the CUDA-graph ones (reduce-overhead) are refused: docs/speed.md
 fsdp = False              # torchrun: shard weights, grads and optimizer states (FSDP2), not DDP
 cuda_graph = False        # replay each micro-step's forward and backward as CUDA graphs (one GPU process)
 seed = 1337
@@ -97,7 +97,7 @@ if torch.cuda.is_available():
 else:
     # a 2-core CPU. The 128 x 100352 lm_head is most of the work, ~1.6 ms of CPU a token
     # (the FP4 reference quantizers add ~40%), so what a few minutes teach is set by the
-    # tokens: 160 steps of 8 x 64 (82K tokens) at a peak lr of 1e-2 (README: time, loss)
+    # tokens: 160 steps of 8 x 64 (82K tokens) at a peak lr of 1e-2 (docs/training.md: time, loss)
     model_size = 'tiny'
     block_size = 64
     batch_size = 8
@@ -228,7 +228,7 @@ def build_model(model_args):
 def build_optimizer(model):
     """optim.build: AdamW, or Muon/ROOT on the 2-D hidden weights and AdamW on the rest. One
     learning_rate and schedule for both: the Muon family's update is scaled to AdamW's RMS
-    (optim.update_scale 'rms', README 'Muon and ROOT with FP4 Newton-Schulz')."""
+    (optim.update_scale 'rms', docs/fullstack.md, 'Muon and ROOT')."""
     return optim.build(model, optimizer, lr=learning_rate, weight_decay=weight_decay, betas=(beta1, beta2),
                        ns=ns_precision or None, states=optimizer_states or None)
 
@@ -282,7 +282,7 @@ def split_loss(model, val, ctx, rank, world):
     """(mean loss, tokens) over the first eval_split_tokens tokens of the val split, cut into
     consecutive block_size windows, batch_size at a time, the ranks sharing the batches. Unlike
     estimate_loss's random windows, which the run's seed draws, this is the same text for every
-    seed and run, so the seeds' spread is the training's alone (study.py, README 'Accuracy').
+    seed and run, so the seeds' spread is the training's alone (study/study.py, docs/accuracy.md).
     Whole batches only (one compiled shape): the tail of fewer than batch_size * world windows is left out."""
     per_batch, n_batches = batch_size * block_size, split_batches(len(val), world)
     total = torch.zeros((), device=device, dtype=torch.float64)
@@ -402,7 +402,7 @@ def setup(argv):
                                        'torchrun --standalone --nproc_per_node=2 train.py --fsdp=True')
     if fsdp and optimizer in ('adamw_fp4', 'root_fp4'):  # their FP4 code takes plain tensors
         raise configurator.ConfigError(f'fsdp=True does not run optimizer={optimizer!r} yet: its NVFP4 '
-                                       'states/Newton-Schulz need the wiring in README, FSDP2')
+                                       'states/Newton-Schulz need the wiring of docs/distributed.md')
     # FSDP2 casts the weights itself (MixedPrecisionPolicy, see shard_model): no autocast
     ctx = (nullcontext() if dtype == 'float32' or fsdp else  # a graph capture needs autocast's cache off
            torch.autocast(device_type=device.split(':')[0], dtype=torch.bfloat16, cache_enabled=not cuda_graph))

@@ -1,5 +1,5 @@
 # What `python train.py` does on a CPU, spelled out (the defaults there already are this):
-# the tiny model on the default corpus, 160 steps of 8 x 64 tokens (README: time and loss).
+# the tiny model on the default corpus, 160 steps of 8 x 64 tokens (docs/training.md: time and loss).
 # $ python train.py config/cpu_tiny.py --recipe=bf16
 model_size = 'tiny'
 dataset = 'pycode'

@@ -11,7 +11,7 @@ attention = 'nvfp4'       # Q, K, V quantized once; Q K^T and the dS products in
 optimizer = 'root_fp4'    # ROOT with NVFP4 Newton-Schulz and FP4 momentum on the 2-D hidden
                           # weights (8.2); AdamW with FP4 states (8.1) on the rest (optim.build)
 loss_chunk = 4096         # memory, not numerics: the lm_head loss 4K tokens at a time (no whole logits)
-recompute = 'mlp'         # and gate_up + SwiGLU rerun in the backward (model.py; README: memory)
+recompute = 'mlp'         # and gate_up + SwiGLU rerun in the backward (model.py; docs/speed.md: memory)
 dataset = 'fineweb'
 out_dir = 'out/1b-fullstack'
 block_size = 2048

@@ -332,11 +332,11 @@ def cells_named(cells):
 def law_section(records, exponents='auto', n_boot=200, min_tokens_per_param=0.0):
     """The fit over the val-loss means of every (group, N, D) cell; markdown and numbers.
     Cells below min_tokens_per_param are left out: early in training the loss falls with D much
-    faster than the law's form allows (README, "Law fit, H200")."""
+    faster than the law's form allows (docs/accuracy.md, "The law")."""
     seed_losses, below = {}, []  # below: cells in by_cell's order (N, then D)
     cells_by = by_cell(records)
     # One measure for the whole fit: the split loss where any cell has it, else per-seed batches
-    # everywhere (per-seed batches sit 0-1.6% off the split loss, by seed: README, "The seed spread
+    # everywhere (per-seed batches sit 0-1.6% off the split loss, by seed: docs/accuracy.md, "The seed spread
     # here includes the eval sample"). A run without the split loss is left out alone, and its
     # group's cell is the mean over the seeds that have it: the split is the same text for every
     # run, so those seeds differ by training alone.
@@ -524,7 +524,7 @@ def published_law_gaps(rows):
             + ('; '.join(out) if out else 'no quartet cell with a gap yet') + '.')
 
 def report(directory, exponents='auto', n_boot=200, log=print, min_tokens_per_param=0.0):
-    """Write directory/report.md (the tables the README includes), report.json and the PNGs;
+    """Write directory/report.md (the tables docs/accuracy.md includes), report.json and the PNGs;
     the law is fitted to the cells at min_tokens_per_param or more."""
     records = load_records(directory)
     if not records:

@@ -384,7 +384,7 @@ NS_COLS = ["size", "matrix", "shape", "source", "coef", "precision", "design", "
 
 # ---------------------------------------------------------------------------------------------
 # lora_rank: how much the fullstack recipe's BF16 rank-r part (LoRA-SVD, SPEC 8.4) cuts a linear
-# layer's FP4 quantization error, by rank: the measurement behind the default rank (README,
+# layer's FP4 quantization error, by rank: the measurement behind the default rank (docs/fullstack.md,
 # "LoRA-SVD and the fullstack recipe").
 #
 # For a weight W (N, K), inputs X (M, K) and output gradients E (M, N), one FP4Linear's relative
@@ -564,7 +564,7 @@ def held_lora_rows(path, layers, it, calls):
 
 
 # ---------------------------------------------------------------------------------------------
-# lora_rank: the backward treatments compared (the recipe's choice, README)
+# lora_rank: the backward treatments compared (the recipe's choice, docs/fullstack.md)
 
 _NVFP4_DGRAD = dict(dgrad_e=dict(rounding="sr"), dgrad_w=dict(rounding="rn", scale_rule="four_over_six"))
 _NVFP4_WGRAD = dict(wgrad_e=dict(rounding="sr", hadamard=16), wgrad_x=dict(rounding="rn", hadamard=16))

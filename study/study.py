@@ -46,7 +46,7 @@ import train  # noqa: E402
 from model import GPT, RECIPES, SIZES, config_for  # noqa: E402
 from records import LAUNCH_ONLY, load_records, reruns_of, tokens_label, write_json  # noqa: E402,F401
 # every run: train.py's GPU step of 32K tokens (64 x 512), as one micro-batch rather than two:
-# the eager FP4 layers cost ~2 ms of host time each per micro-batch (README), so one halves
+# the eager FP4 layers cost ~2 ms of host time each per micro-batch (docs/speed.md), so one halves
 # that per token, and 64 x 512 still fits 30M-100M models in an H200. 50 eval batches per
 # split = 1.6M val tokens an eval. No checkpoints: a run is the unit a study resumes by.
 # The lm_head's cross-entropy runs 8K tokens at a time (model.chunked_cross_entropy, the same loss):
@@ -55,8 +55,8 @@ from records import LAUNCH_ONLY, load_records, reruns_of, tokens_label, write_js
 # same text for every run: the 50 random eval batches are drawn by the run's seed, so across seeds
 # their sampling (eval SE ~0.017 at 30M) adds to the training's spread; paired gaps cancel it.
 # compile_mode 'default': CUDA graphs (reduce-overhead) would take a step of quartet 67.2 -> 61.4 ms,
-# nvfp4 84.7 -> 73.6, quartet2 142.3 -> 116.8 at 30M (bench.py, results/nvidia-h200/session7), but
-# train.py with evals fails under them on torch 2.11 (results/nvidia-h200/session8): refused there.
+# nvfp4 84.7 -> 73.6, quartet2 142.3 -> 116.8 at 30M (bench.py, results/nvidia-h200/step/bench_step_30m_cuda_graphs.json), but
+# train.py with evals fails under them on torch 2.11 (results/nvidia-h200/step/train_reduce_overhead_fails.log): refused there.
 SETTINGS = dict(block_size=512, batch_size=64, gradient_accumulation_steps=1, eval_iters=50,
                 always_save_checkpoint=False, log_interval=25, loss_chunk=8192, eval_split_tokens=4_000_000,
                 compile_mode='default')

@@ -1,7 +1,7 @@
 """
 Tests for measure.py on a CPU: the inputs each section builds (spectra, momentum from a checkpoint),
 the rows of ns and lora_rank at tiny sizes, the state-format errors, and where the rows are written.
-Seconds in all; the full sections are the README's commands.
+Seconds in all; the full sections are docs/fullstack.md's commands.
 
 $ python -m pytest study/test_measure.py -q
 """
@@ -49,7 +49,7 @@ def test_momentum_matrices_takes_a_middle_layer(tmp_path, split):
 
 def test_section_ns_rows_at_tiny_shapes():
     """Every (shape, source) gets one row per NS_PRECISIONS entry; bf16 is its own reference;
-    FP32 and BF16 run no NVFP4 GEMM, the NVFP4 designs do. The README's finding (at 30m and 1b)
+    FP32 and BF16 run no NVFP4 GEMM, the NVFP4 designs do. docs/fullstack.md's finding (at 30m and 1b)
     holds at these shapes too: compensated_tail near BF16's cosine (measured within 0.004, 0.01 on
     the square 128x128 Gaussian; bound 0.02), the naive cast far below it on every Gaussian
     matrix (measured 0.78-0.86 below; bound 0.3)."""
@@ -92,7 +92,7 @@ def test_ema_off_stochastic_rounding_tracks_m():
 
 def test_lora_rank_rows():
     """quartet2 and fullstack without L are the same linear (identical rows); rank 16 cuts the
-    output and dgrad errors as 1 - sqrt(1 - e_r) predicts (README: within 0.4 points at 640x640;
+    output and dgrad errors as 1 - sqrt(1 - e_r) predicts (docs/fullstack.md: within 0.4 points at 640x640;
     measured here within 0.8 at 128x128, bound 2), and e_r is the spectrum's own top-16 share."""
     rows = {(r["weights"], r["variant"]): r for r in measure.section_lora_rank(SimpleNamespace(**LORA))}
     assert len(rows) == 2 * len(measure.rank_variants([16]))
@@ -196,7 +196,7 @@ def test_root_states_rows(tmp_path):
 def test_root_states_lm_sets_the_momentum_alone(monkeypatch):
     """--root-lm trains the tiny LM with ROOT's momentum in a state/ns row's format and the AdamW
     part as in plain root (torch's, FP32): build(states=) would have put that part in NVFP4 too, a
-    second change on a model 40% embeddings (the first numbers of the README's table were made
+    second change on a model 40% embeddings (the first numbers of docs/fullstack.md's table were made
     so). A row named by build() (root_fp4) runs that optimizer as it stands."""
     import optim
     seen = []
