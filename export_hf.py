@@ -193,17 +193,27 @@ def global_scale(g):
     code * (s_b / gs) to BF16; the FP32 nearest 1/g gives bf16(code * s_b * g) for every code
     and E4M3 scale unless g sits near a BF16 rounding midpoint, where a float a few steps away
     does. So: the first of 1/g and its 8 neighbours each side that reproduces them all."""
-    from compressed_tensors.compressors import NVFP4PackedCompressor
-    import fp4
-    table = fp4.QTensor(fp4.pack(torch.arange(16, dtype=torch.uint8)).expand(127, 8),
-                        torch.arange(127, dtype=torch.uint8).view(127, 1), g, 'nvfp4', (127, 16), 1)
-    want = fp4.dequantize(table).bfloat16()  # every code (columns) at every finite E4M3 scale (rows)
+    table = every_code_and_scale(g)
     for gs in floats_near((1 / g).float(), 8):
-        got = NVFP4PackedCompressor.decompress(ct_tensors(table, gs), packed_scheme())['weight']
-        if torch.equal(got.view(torch.int16), want.view(torch.int16)):
+        if reproduces(table, gs):
             return gs
     raise SystemExit(f'--fp4-packed: no FP32 global scale near 1/g = {1 / g.item():.9g} lets '
                      f'compressed-tensors reproduce the FP4 weights')
+
+def every_code_and_scale(g):
+    """An NVFP4 QTensor (127, 16) with tensor scale g: a row for every finite E4M3 scale
+    (bits 0..126), each row one block holding the 16 E2M1 codes."""
+    import fp4
+    codes = fp4.pack(torch.arange(16, dtype=torch.uint8)).expand(127, 8)
+    return fp4.QTensor(codes, torch.arange(127, dtype=torch.uint8).view(127, 1), g, 'nvfp4', (127, 16), 1)
+
+def reproduces(q, gs):
+    """Whether compressed-tensors' decompressor, given q's codes and scales with global scale
+    gs, returns q's dequantized values rounded to BF16, bit for bit."""
+    import fp4
+    from compressed_tensors.compressors import NVFP4PackedCompressor
+    got = NVFP4PackedCompressor.decompress(ct_tensors(q, gs), packed_scheme())['weight']
+    return torch.equal(got.view(torch.int16), fp4.dequantize(q).bfloat16().view(torch.int16))
 
 def floats_near(x, n):
     """The FP32 0-d tensor x and the n floats each side of it, nearest first."""
