@@ -3,6 +3,7 @@ Export a train.py checkpoint as a Hugging Face LlamaForCausalLM folder.
 
 $ python export_hf.py out/ckpt.pt out/hf                 # the FP32 master weights
 $ python export_hf.py out/ckpt.pt out/hf --fp4-weights   # what the FP4 forward multiplied by
+$ python export_hf.py out/ckpt.pt out/hf --fp4-packed    # that, packed (nvfp4, quartet2)
 
 Writes config.json, generation_config.json, model.safetensors (FP32) and, for a tiktoken
 corpus such as cl100k_base, tokenizer.json + tokenizer_config.json, so that
@@ -27,6 +28,15 @@ forward: deq(Q(W)), with their 16x16 tiles or four-over-six scales and tensor sc
 quantizes R = W - L and adds its BF16 rank-r part L (SPEC 8.4): deq(Q(R)) + L. The
 activations stay unquantized on the HF side. Without --fp4-weights, fullstack's L is not
 exported on its own: the master W is L + R already.
+
+--fp4-packed writes the FP4 blocks' linears in compressed-tensors' nvfp4-pack-quantized
+format (transformers loads it, vLLM serves it): weight_packed (E2M1 codes, two a byte),
+weight_scale (E4M3, one per 1x16 group) and weight_global_scale (FP32, 1/g), named in
+config.json's quantization_config as NVFP4 weights with unquantized activations; the rest
+(embeddings, norms, lm_head, blocks the recipe kept in BF16) in BF16. compressed-tensors
+decompresses to BF16: the loaded weights are the --fp4-weights ones rounded to BF16, bit for
+bit. nvfp4 and quartet2 only: fullstack's W = L + R and quartet's rotated MXFP4 are refused
+(see REFUSED). docs/export.md has the measurements.
 """
 
 import argparse
