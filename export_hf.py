@@ -190,6 +190,7 @@ def pack_qtensor(q):
     return ct_tensors(q, global_scale(q.tensor_scale))
 
 def ct_tensors(q, gs):
+    """q's codes, scales and the global scale gs under compressed-tensors' parameter names."""
     import fp4
     from compressed_tensors.compressors import NVFP4PackedCompressor, pack_fp4_to_uint8
     packed, scale, global_ = NVFP4PackedCompressor.compression_param_names(packed_scheme())
