@@ -203,13 +203,17 @@ def global_scale(g):
     the block scales by it where SPEC multiplies by g, so it is 1/g. Its decompressor rounds
     code * (s_b / gs) to BF16; the FP32 nearest 1/g gives bf16(code * s_b * g) for every code
     and E4M3 scale unless g sits near a BF16 rounding midpoint, where a float a few steps away
-    does. So: the first of 1/g and its 8 neighbours each side that reproduces them all."""
+    does: the first of 1/g and its 8 neighbours each side that reproduces them all is taken.
+    A g of few significant bits (3.5, say) can put code * s_b * g exactly halfway between two
+    BF16 numbers, a tie no FP32 divisor reproduces both ways: then the one with the fewest
+    differences, each such a tie rounded to the other, equally near, BF16 neighbour."""
     table = every_code_and_scale(g)
+    tried = []
     for gs in floats_near((1 / g).float(), 8):
-        if reproduces(table, gs):
-            return gs
-    raise SystemExit(f'--fp4-packed: no FP32 global scale near 1/g = {1 / g.item():.9g} lets '
-                     f'compressed-tensors reproduce the FP4 weights')
+        tried.append((mismatches(table, gs), gs))
+        if tried[-1][0] == 0:
+            break
+    return min(tried, key=lambda t: t[0])[1]
 
 def every_code_and_scale(g):
     """An NVFP4 QTensor (127, 16) with tensor scale g: a row for every finite E4M3 scale
@@ -218,13 +222,16 @@ def every_code_and_scale(g):
     codes = fp4.pack(torch.arange(16, dtype=torch.uint8)).expand(127, 8)
     return fp4.QTensor(codes, torch.arange(127, dtype=torch.uint8).view(127, 1), g, 'nvfp4', (127, 16), 1)
 
-def reproduces(q, gs):
-    """Whether compressed-tensors' decompressor, given q's codes and scales with global scale
-    gs, returns q's dequantized values rounded to BF16, bit for bit."""
-    import fp4
+def ct_dequantize(q, gs):
+    """compressed-tensors' decompressor on q's codes and scales with global scale gs (BF16)."""
     from compressed_tensors.compressors import NVFP4PackedCompressor
-    got = NVFP4PackedCompressor.decompress(ct_tensors(q, gs), packed_scheme())['weight']
-    return torch.equal(got.view(torch.int16), fp4.dequantize(q).bfloat16().view(torch.int16))
+    return NVFP4PackedCompressor.decompress(ct_tensors(q, gs), packed_scheme())['weight']
+
+def mismatches(q, gs):
+    """How many of ct_dequantize(q, gs) differ, bit for bit, from q's values rounded to BF16."""
+    import fp4
+    got, want = ct_dequantize(q, gs), fp4.dequantize(q).bfloat16()
+    return int((got.view(torch.int16) != want.view(torch.int16)).sum())
 
 def floats_near(x, n):
     """The FP32 0-d tensor x and the n floats each side of it, nearest first."""
