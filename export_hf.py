@@ -3,6 +3,7 @@ Export a train.py checkpoint as a Hugging Face LlamaForCausalLM folder.
 
 $ python export_hf.py out/ckpt.pt out/hf                 # the FP32 master weights
 $ python export_hf.py out/ckpt.pt out/hf --fp4-weights   # what the FP4 forward multiplied by
+$ python export_hf.py out/ckpt.pt out/hf --fp4-packed    # that, packed (nvfp4, quartet2)
 
 Writes config.json, generation_config.json, model.safetensors (FP32) and, for a tiktoken
 corpus such as cl100k_base, tokenizer.json + tokenizer_config.json, so that
@@ -27,6 +28,15 @@ forward: deq(Q(W)), with their 16x16 tiles or four-over-six scales and tensor sc
 quantizes R = W - L and adds its BF16 rank-r part L (SPEC 8.4): deq(Q(R)) + L. The
 activations stay unquantized on the HF side. Without --fp4-weights, fullstack's L is not
 exported on its own: the master W is L + R already.
+
+--fp4-packed writes the FP4 blocks' linears in compressed-tensors' nvfp4-pack-quantized
+format (transformers loads it, vLLM serves it): weight_packed (E2M1 codes, two a byte),
+weight_scale (E4M3, one per 1x16 group) and weight_global_scale (FP32, 1/g), named in
+config.json's quantization_config as NVFP4 weights with unquantized activations; the rest
+(embeddings, norms, lm_head, blocks the recipe kept in BF16) in BF16. compressed-tensors
+decompresses to BF16: the loaded weights are the --fp4-weights ones rounded to BF16, bit for
+bit. nvfp4 and quartet2 only: fullstack's W = L + R and quartet's rotated MXFP4 are refused
+(see REFUSED). docs/export.md has the measurements.
 """
 
 import argparse
@@ -62,50 +72,65 @@ def hf_config(args, meta):
 # -----------------------------------------------------------------------------
 # weights
 
-def fp4_forward_weight(w, recipe, low=None):
-    """(N, K) weight -> the FP32 weight the recipe's FP4 forward multiplies by (see the top).
-    low: fullstack's L = U_r S_r V_r^T (N, K), or None: the forward quantizes R = W - L and adds
-    L's product in BF16, so its weight is deq(Q(R)) + L."""
+def fp4_forward_qtensor(w, recipe, low=None):
+    """(N, K) weight -> the QTensor the recipe's FP4 forward quantizes: Q(W H) for quartet,
+    Q(W) for nvfp4 and quartet2 (their 16x16 tiles or four-over-six scales), Q(R), R = W - L,
+    for fullstack (low: its L = U_r S_r V_r^T, (N, K))."""
     import fp4
     r = fp4.RECIPES[recipe]
     spec = r['w']
     if spec.get('signs') is not None:  # a signed rotation is not its own inverse
-        raise SystemExit(f'--fp4-weights: recipe {recipe!r} rotates W with random signs in the '
-                         f'forward, which export_hf.py does not undo')
+        raise SystemExit(f'recipe {recipe!r} rotates W with random signs in the forward, '
+                         f'which export_hf.py does not undo')
     w = w.float() if low is None else w.float() - low
-    wq = fp4.dequantize(fp4.quantize(w, r['fmt'], **spec))  # deq(Q(W H)), still rotated
-    n = spec.get('hadamard', 0)
+    return fp4.quantize(w, r['fmt'], **spec)
+
+def fp4_forward_weight(w, recipe, low=None):
+    """(N, K) weight -> the FP32 weight the recipe's FP4 forward multiplies by (see the top).
+    low: fullstack's L, or None: the forward quantizes R = W - L and adds L's product in BF16,
+    so its weight is deq(Q(R)) + L."""
+    import fp4
+    wq = fp4.dequantize(fp4_forward_qtensor(w, recipe, low))  # deq(Q(W H)), still rotated
+    n = fp4.RECIPES[recipe]['w'].get('hadamard', 0)
     wq = fp4.hadamard(wq, n) if n else wq  # H^T = H, orthogonal: back to the input's basis
     return wq if low is None else wq + low
 
-def hf_tensors(state, args, recipe, fp4_weights, path):
-    """{HF name: FP32 tensor}. Every entry of the checkpoint's model is used exactly once:
-    one this mapping does not know (e.g. another branch's LoRA parts) stops the export."""
+LLAMA_LINEARS = ('self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj', 'self_attn.o_proj',
+                 'mlp.gate_proj', 'mlp.up_proj', 'mlp.down_proj')
+
+def hf_tensors(state, args, recipe, weights, path):
+    """{HF name: tensor}, weights: 'master' (FP32), 'fp4' (the FP4 forward's weights, FP32) or
+    'packed' (those, for the FP4 blocks, as compressed-tensors' packed tensors: see below).
+    Every entry of the checkpoint's model is used exactly once: one this mapping does not know
+    (e.g. another branch's LoRA parts) stops the export."""
     sd = dict(state)
     def take(key):
         if key not in sd:
             raise SystemExit(f'{path}: the model has no {key}: not a model.py checkpoint')
         return sd.pop(key).float()
     L, nh, nkv = args['n_layer'], args['n_head'], args['n_kv_head']
-    hs = args['n_embd'] // nh
-    in_fp4 = set(fp4_blocks(L, recipe, args.get('end_blocks', 'auto'))) if fp4_weights else set()
-    def linear(i, name):
+    hs, ffn = args['n_embd'] // nh, args['ffn_hidden']
+    in_fp4 = set(fp4_blocks(L, recipe, args.get('end_blocks', 'auto'))) if weights != 'master' else set()
+    def linear(i, name):  # {suffix: tensor} of one model.py linear
         key = f'transformer.h.{i}.{name}'
         w = take(key + '.weight')  # (out_features, in_features)
         low = None
         if key + '.lora_us' in sd:  # fullstack: W = L + R, and W, the master, already holds L
             low = take(key + '.lora_us') @ take(key + '.lora_v').t()  # (N, r) @ (r, K)
-        return fp4_forward_weight(w, recipe, low) if i in in_fp4 else w
+        if i not in in_fp4:
+            return dict(weight=w)
+        if weights == 'packed':
+            return pack_qtensor(fp4_forward_qtensor(w, recipe, low))
+        return dict(weight=fp4_forward_weight(w, recipe, low))
     out = {'model.embed_tokens.weight': take('transformer.wte.weight')}
     for i in range(L):
         p = f'model.layers.{i}.'
-        q, k, v = linear(i, 'attn.qkv').split([nh * hs, nkv * hs, nkv * hs])
-        gate, up = linear(i, 'mlp.gate_up').chunk(2)
-        out.update({p + 'self_attn.q_proj.weight': q, p + 'self_attn.k_proj.weight': k,
-                    p + 'self_attn.v_proj.weight': v, p + 'self_attn.o_proj.weight': linear(i, 'attn.o'),
-                    p + 'mlp.gate_proj.weight': gate, p + 'mlp.up_proj.weight': up,
-                    p + 'mlp.down_proj.weight': linear(i, 'mlp.down'),
-                    p + 'input_layernorm.weight': take(f'transformer.h.{i}.ln_1.weight'),
+        q, k, v, o, gate, up, down = (p + m for m in LLAMA_LINEARS)
+        mods = dict(zip((q, k, v), split_rows(linear(i, 'attn.qkv'), [nh * hs, nkv * hs, nkv * hs])))
+        mods.update(zip((gate, up), split_rows(linear(i, 'mlp.gate_up'), [ffn, ffn])))
+        mods.update({o: linear(i, 'attn.o'), down: linear(i, 'mlp.down')})
+        out.update({f'{m}.{suffix}': t for m, parts in mods.items() for suffix, t in parts.items()})
+        out.update({p + 'input_layernorm.weight': take(f'transformer.h.{i}.ln_1.weight'),
                     p + 'post_attention_layernorm.weight': take(f'transformer.h.{i}.ln_2.weight')})
     out['model.norm.weight'] = take('transformer.ln_f.weight')
     out['lm_head.weight'] = take('lm_head.weight')
@@ -113,6 +138,109 @@ def hf_tensors(state, args, recipe, fp4_weights, path):
         raise SystemExit(f"{path}: the model holds entries export_hf.py cannot map onto Llama "
                          f"({', '.join(sorted(sd)[:4])}{', ...' if len(sd) > 4 else ''})")
     return {k: t.contiguous().clone() for k, t in out.items()}  # safetensors: no shared storage
+
+def split_rows(tensors, sizes):
+    """{suffix: tensor} of a fused linear (qkv, gate_up) -> one such dict per HF projection:
+    tensors with a row per output feature (weight, packed codes, block scales) are split by
+    rows; a per-tensor one (the global scale) goes to every part, as the fused forward used it."""
+    parts = [{} for _ in sizes]
+    for suffix, t in tensors.items():
+        for part, piece in zip(parts, t.split(sizes) if t.dim() == 2 else [t] * len(sizes)):
+            part[suffix] = piece
+    return parts
+
+# -----------------------------------------------------------------------------
+# --fp4-packed: the FP4 blocks' weights in compressed-tensors' packed format
+
+PACKED_FORMAT = 'nvfp4-pack-quantized'
+PACKED_RECIPES = ('nvfp4', 'quartet2')  # NVFP4 weights: 1x16 blocks, E4M3 scales, FP32 tensor scale
+REFUSED = {
+    'fullstack': "recipe fullstack multiplies by W = L + R, a BF16 rank-r part plus an NVFP4 "
+                 "residual, and compressed-tensors has no added low-rank term beside a packed "
+                 "weight: export with --fp4-weights (deq(Q(R)) + L, dense)",
+    'quartet': "recipe quartet's FP4 weights are MXFP4 of W H (Hadamard-32 rotated), so the "
+               "activations must be rotated online too: compressed-tensors can write that rotation "
+               "(its transform_config) but transformers drops transform_config when it loads a "
+               "folder, which would then compute wrong outputs: export with --fp4-weights",
+}
+
+def packed_scheme():
+    """NVFP4 weights, activations left as they are (W4A16): the FP4 forward's weights, with
+    the same activations as the --fp4-weights export (the training forward's activation
+    scale is dynamic per tensor; compressed-tensors' W4A4 NVFP4 wants a calibrated one)."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+    scheme = preset_name_to_scheme('NVFP4A16', ['Linear'])
+    scheme.format = PACKED_FORMAT
+    return scheme
+
+def packed_config(args, recipe):
+    """compressed-tensors' quantization_config: every Linear of the FP4 blocks packed, the
+    others (lm_head, and the blocks the recipe kept in BF16) named in `ignore`."""
+    from compressed_tensors.quantization import QuantizationConfig
+    L = args['n_layer']
+    in_fp4 = set(fp4_blocks(L, recipe, args.get('end_blocks', 'auto')))
+    ignore = [f'model.layers.{i}.{m}' for i in range(L) if i not in in_fp4 for m in LLAMA_LINEARS]
+    return QuantizationConfig(config_groups={'group_0': packed_scheme()}, format=PACKED_FORMAT,
+                              quantization_status='compressed', ignore=ignore + ['lm_head'])
+
+def pack_qtensor(q):
+    """An (N, K) NVFP4 QTensor -> compressed-tensors' tensors for its linear: the E2M1 codes
+    packed two a byte by compressed-tensors (uint8 (N, K/2)), the block scales as they are
+    (E4M3 (N, K/16); nvfp4's 16x16 tiles already repeat theirs on the tile's 16 rows) and
+    the global scale (FP32 (1,), see global_scale)."""
+    return ct_tensors(q, global_scale(q.tensor_scale))
+
+def ct_tensors(q, gs):
+    """q's codes, scales and the global scale gs under compressed-tensors' parameter names."""
+    import fp4
+    from compressed_tensors.compressors import NVFP4PackedCompressor, pack_fp4_to_uint8
+    packed, scale, global_ = NVFP4PackedCompressor.compression_param_names(packed_scheme())
+    codes = fp4.e2m1_decode(fp4.unpack(q.codes))  # the E2M1 values (N, K), -0 kept
+    return {packed: pack_fp4_to_uint8(codes), scale: q.scales.view(torch.float8_e4m3fn),
+            global_: gs.reshape(1)}
+
+def global_scale(g):
+    """compressed-tensors' weight_global_scale for SPEC's tensor scale g (SPEC 2): it divides
+    the block scales by it where SPEC multiplies by g, so it is 1/g. Its decompressor rounds
+    code * (s_b / gs) to BF16; the FP32 nearest 1/g gives bf16(code * s_b * g) for every code
+    and E4M3 scale unless g sits near a BF16 rounding midpoint, where a float a few steps away
+    does: the first of 1/g and its 8 neighbours each side that reproduces them all is taken.
+    A g of few significant bits (3.5, say) can put code * s_b * g exactly halfway between two
+    BF16 numbers, a tie no FP32 divisor reproduces both ways: then the one with the fewest
+    differences, each such a tie rounded to the other, equally near, BF16 neighbour."""
+    table = every_code_and_scale(g)
+    tried = []
+    for gs in floats_near((1 / g).float(), 8):
+        tried.append((mismatches(table, gs), gs))
+        if tried[-1][0] == 0:
+            break
+    return min(tried, key=lambda t: t[0])[1]
+
+def every_code_and_scale(g):
+    """An NVFP4 QTensor (127, 16) with tensor scale g: a row for every finite E4M3 scale
+    (bits 0..126), each row one block holding the 16 E2M1 codes."""
+    import fp4
+    codes = fp4.pack(torch.arange(16, dtype=torch.uint8)).expand(127, 8)
+    return fp4.QTensor(codes, torch.arange(127, dtype=torch.uint8).view(127, 1), g, 'nvfp4', (127, 16), 1)
+
+def ct_dequantize(q, gs):
+    """compressed-tensors' decompressor on q's codes and scales with global scale gs (BF16)."""
+    from compressed_tensors.compressors import NVFP4PackedCompressor
+    return NVFP4PackedCompressor.decompress(ct_tensors(q, gs), packed_scheme())['weight']
+
+def mismatches(q, gs):
+    """How many of ct_dequantize(q, gs) differ, bit for bit, from q's values rounded to BF16."""
+    import fp4
+    got, want = ct_dequantize(q, gs), fp4.dequantize(q).bfloat16()
+    return int((got.view(torch.int16) != want.view(torch.int16)).sum())
+
+def floats_near(x, n):
+    """The FP32 0-d tensor x and the n floats each side of it, nearest first."""
+    out, up, down = [x], x, x
+    for _ in range(n):
+        up, down = torch.nextafter(up, up.new_tensor(float('inf'))), torch.nextafter(down, down.new_tensor(0.0))
+        out += [up, down]
+    return out
 
 # -----------------------------------------------------------------------------
 # tokenizer: a tiktoken encoding as a Hugging Face tokenizer.json
@@ -173,7 +301,7 @@ def write_tokenizer(meta, out_dir, max_len, model_vocab=None):
 # -----------------------------------------------------------------------------
 # the export
 
-def export(ckpt_path, out_dir, fp4_weights=False):
+def export(ckpt_path, out_dir, fp4_weights=False, fp4_packed=False):
     """Write the HF folder; returns the list of lines to print."""
     from safetensors.torch import save_file
     try:
@@ -181,23 +309,47 @@ def export(ckpt_path, out_dir, fp4_weights=False):
         recipe = checkpoint.recipe_of(ckpt, ckpt_path)
     except checkpoint.CheckpointError as e:
         raise SystemExit(str(e))
-    if fp4_weights and recipe in ('bf16', 'float8'):
-        raise SystemExit(f'--fp4-weights: {ckpt_path} was trained with recipe {recipe}, which has no '
-                         f'FP4 layers: export without --fp4-weights')
+    weights = 'packed' if fp4_packed else 'fp4' if fp4_weights else 'master'
+    check_recipe(recipe, weights, ckpt_path)
     args, meta = ckpt['model_args'], checkpoint.meta_of(ckpt)
-    tensors = hf_tensors(ckpt['model'], args, recipe, fp4_weights, ckpt_path)
+    tensors = hf_tensors(ckpt['model'], args, recipe, weights, ckpt_path)
     os.makedirs(out_dir, exist_ok=True)
     config = hf_config(args, meta)
+    if fp4_packed:  # served in BF16: the rest in BF16 too (the packed tensors keep their dtypes)
+        tensors = {k: t.bfloat16() if k.endswith('.weight') else t for k, t in tensors.items()}
+        config['torch_dtype'] = 'bfloat16'
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:
         json.dump(config, f, indent=1)
     with open(os.path.join(out_dir, 'generation_config.json'), 'w') as f:
         json.dump(dict(bos_token_id=config['bos_token_id'], eos_token_id=config['eos_token_id']), f)
-    which = f'the FP4 forward weights of recipe {recipe}' if fp4_weights else 'the FP32 master weights'
+    which = dict(master='the FP32 master weights', fp4=f'the FP4 forward weights of recipe {recipe}',
+                 packed=f'the FP4 forward weights of recipe {recipe}, packed ({PACKED_FORMAT})')[weights]
     save_file(tensors, os.path.join(out_dir, 'model.safetensors'),
               metadata=dict(format='pt', source=os.path.abspath(ckpt_path), recipe=recipe,
-                            weights='fp4_forward' if fp4_weights else 'master'))
-    return [f'{out_dir}: LlamaForCausalLM, {which}, {len(tensors)} tensors',
-            write_tokenizer(meta, out_dir, args['block_size'], args['vocab_size'])]
+                            weights=dict(master='master', fp4='fp4_forward', packed='fp4_packed')[weights]))
+    lines = [f'{out_dir}: LlamaForCausalLM, {which}, {len(tensors)} tensors']
+    if fp4_packed:
+        from compressed_tensors.compressors import ModelCompressor
+        ModelCompressor(quantization_config=packed_config(args, recipe)).update_config(out_dir)
+        lines.append(packed_size(tensors))
+    return lines + [write_tokenizer(meta, out_dir, args['block_size'], args['vocab_size'])]
+
+def check_recipe(recipe, weights, path):
+    """Stop, with one line, an FP4 export the checkpoint's recipe cannot give."""
+    flag = '--fp4-packed' if weights == 'packed' else '--fp4-weights'
+    if weights != 'master' and recipe in ('bf16', 'float8'):
+        raise SystemExit(f'{flag}: {path} was trained with recipe {recipe}, which has no '
+                         f'FP4 layers: export without {flag}')
+    if weights == 'packed' and recipe not in PACKED_RECIPES:
+        raise SystemExit(f'--fp4-packed: {path}: {REFUSED[recipe]}')
+
+def packed_size(tensors):
+    """One line: the packed tensors' bytes against the BF16 bytes of the same weights."""
+    packed = sum(t.numel() * t.element_size() for k, t in tensors.items()
+                 if k.rsplit('.', 1)[1] in ('weight_packed', 'weight_scale', 'weight_global_scale'))
+    bf16 = sum(2 * 2 * t.numel() for k, t in tensors.items() if k.endswith('.weight_packed'))
+    return (f'packed linears: {packed / 2**20:.2f} MiB, {packed / bf16:.3f}x their BF16 bytes '
+            f'({bf16 / 2**20:.2f} MiB)')
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.strip().split('\n\n')[0])
@@ -205,8 +357,12 @@ def main(argv=None):
     parser.add_argument('out_dir', help='the folder to write, e.g. out/hf')
     parser.add_argument('--fp4-weights', action='store_true',
                         help="export the FP4 forward's dequantized weights instead of the masters")
+    parser.add_argument('--fp4-packed', action='store_true',
+                        help=f"export the FP4 forward's weights packed ({PACKED_FORMAT}, compressed-tensors)")
     a = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    for line in export(a.ckpt, a.out_dir, a.fp4_weights):
+    if a.fp4_weights and a.fp4_packed:
+        parser.error('--fp4-weights and --fp4-packed are two exports: choose one')
+    for line in export(a.ckpt, a.out_dir, a.fp4_weights, a.fp4_packed):
         print(line)
 
 if __name__ == '__main__':

@@ -7,10 +7,13 @@ $ python -m pytest test_export_hf.py -q
 
 import json
 import os
+import sys
 from dataclasses import asdict
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import export_hf
 from model import GPT, apply_recipe, config_for
@@ -170,6 +173,167 @@ def test_export_fullstack_checkpoint(tmp_path, fp4_weights):
             w = export_hf.fp4_forward_weight(w, 'fullstack', lin.lora_us.float() @ lin.lora_v.float().t())
             assert rel_err(w, lin.weight.detach()) > 1e-3
         assert torch.equal(hf.model.layers[i].mlp.down_proj.weight, w), i
+
+# -----------------------------------------------------------------------------
+# --fp4-packed (compressed-tensors)
+
+def weight_matrix(n, k, seed, spread=6.0):
+    """(n, k) weights whose row magnitudes span 2^spread: block scales across the E4M3 range."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.exp2(torch.rand(n, 1, generator=gen) * spread - spread)
+    return torch.randn(n, k, generator=gen) * rows
+
+def first_mismatches(a, b, n=5):
+    idx = (a.view(torch.int16) != b.view(torch.int16)).nonzero()[:n]
+    return [(tuple(i.tolist()), a[tuple(i)].item(), b[tuple(i)].item()) for i in idx]
+
+def ties_only(got, exact):
+    """BF16 `got` is bf16(exact) (FP32) bit for bit, but where exact lies halfway between two BF16
+    numbers and got is the other one: as near, a tie rounded the other way."""
+    other = got.view(torch.int16) != exact.bfloat16().view(torch.int16)
+    tie = (got.float() - exact).abs() == (exact.bfloat16().float() - exact).abs()
+    return bool((tie | ~other).all())
+
+def assert_packed_is_forward_weight(w, recipe):
+    """compressed-tensors' own decompressor, given the packed tensors, returns the weight the FP4
+    forward multiplies by, deq(Q(W)), rounded to BF16 (the decompressor's dtype), bit for bit;
+    the packed bytes are the QTensor's codes (the same nibble order, -0 kept)."""
+    import fp4
+    from compressed_tensors.compressors import NVFP4PackedCompressor
+    q = export_hf.fp4_forward_qtensor(w, recipe)
+    packed = export_hf.pack_qtensor(q)
+    assert packed['weight_packed'].dtype == torch.uint8 and torch.equal(packed['weight_packed'], q.codes)
+    got = NVFP4PackedCompressor.decompress(packed, export_hf.packed_scheme())['weight']
+    exact = fp4.dequantize(q)
+    assert torch.equal(exact.bfloat16(), export_hf.fp4_forward_weight(w, recipe).bfloat16())  # what --fp4-weights writes
+    if export_hf.mismatches(export_hf.every_code_and_scale(q.tensor_scale), packed['weight_global_scale']) == 0:
+        assert torch.equal(got.view(torch.int16), exact.bfloat16().view(torch.int16)), first_mismatches(got, exact.bfloat16())
+    else:  # a g of few significant bits: exact BF16 ties may round the other way
+        assert ties_only(got, exact), first_mismatches(got, exact.bfloat16())
+
+@needs_fp4
+@pytest.mark.parametrize('recipe', ['nvfp4', 'quartet2'])
+def test_packed_weights_are_the_forward_weights_bit_for_bit(recipe):
+    """nvfp4's 16x16 tiles become 1x16 groups with the tile's scale repeated on its 16 rows;
+    quartet2's four-over-six scales are ordinary E4M3 scales."""
+    assert_packed_is_forward_weight(weight_matrix(256, 512, seed=7), recipe)
+
+@needs_fp4
+@settings(max_examples=25, deadline=None)
+@given(recipe=st.sampled_from(['nvfp4', 'quartet2']), seed=st.integers(0, 2**16),
+       exponent=st.integers(-40, 40), spread=st.floats(0, 20), rows=st.integers(1, 4), cols=st.integers(1, 4))
+def test_packed_weights_are_the_forward_weights_for_any_weight(recipe, seed, exponent, spread, rows, cols):
+    """The same, for weights of any magnitude (the tensor scale g anywhere in FP32's range) whose
+    block scales span up to 2^20 (E4M3's range and its subnormals), and any shape."""
+    w = weight_matrix(16 * rows, 16 * cols, seed, spread) * 2.0 ** exponent
+    assert_packed_is_forward_weight(w, recipe)
+
+def bf16_midpoints(n):
+    """n FP32 values halfway between two neighbouring BF16 values (of random mantissas)."""
+    b = torch.rand(n, generator=torch.Generator().manual_seed(8)).add(1).bfloat16()
+    up = torch.nextafter(b, torch.tensor(2.0, dtype=torch.bfloat16))
+    return (b.float() + up.float()) / 2 * 2.0 ** -12
+
+@needs_fp4
+def test_global_scale_where_the_nearest_reciprocal_misrounds():
+    """compressed-tensors dequantizes with s_b / gs in FP32, then rounds to BF16; SPEC's value is
+    code * s_b * g. For a g on a BF16 rounding midpoint, the FP32 nearest 1/g makes some
+    code * scale round the other way (seen here for some of 200 such g); global_scale then picks
+    a float a step or two away that reproduces every code at every E4M3 scale."""
+    misrounded = 0
+    for g in bf16_midpoints(200):
+        table = export_hf.every_code_and_scale(g)
+        gs = export_hf.global_scale(g)
+        assert export_hf.mismatches(table, gs) == 0
+        if export_hf.mismatches(table, (1 / g).float()):
+            misrounded += 1
+            assert gs != (1 / g).float()
+    assert misrounded >= 5, misrounded  # the case exists: 1/g alone is not enough
+
+@settings(max_examples=200, deadline=None)
+@given(g=st.floats(2.0 ** -120, 2.0 ** 100, width=32))
+@example(g=3.5)  # code * s_b * 3.5 can be an exact BF16 tie
+def test_global_scale_for_any_tensor_scale(g):
+    """For any tensor scale g a weight can have, the global scale is within 8 floats of 1/g and
+    compressed-tensors' decompressor gives every code at every E4M3 scale times g rounded to
+    BF16, bit for bit but for exact ties, which it may round to the other, as near, neighbour."""
+    import fp4
+    g = torch.tensor(g, dtype=torch.float32)
+    gs = export_hf.global_scale(g)
+    table = export_hf.every_code_and_scale(g)
+    assert ties_only(export_hf.ct_dequantize(table, gs), fp4.dequantize(table))
+    assert abs(gs.item() * g.item() - 1) < 2 ** -19
+
+def packed_tensors(path):
+    from safetensors.torch import load_file
+    return load_file(path / 'model.safetensors')
+
+@needs_fp4
+@pytest.mark.filterwarnings('ignore:You passed `quantization_config`')  # dequantize=True: meant
+@pytest.mark.parametrize('recipe', ['nvfp4', 'quartet2'])
+def test_export_fp4_packed(tmp_path, recipe):
+    """A tiny checkpoint exported packed and with --fp4-weights: transformers loads the packed
+    folder (AutoModelForCausalLM, its default dtype: BF16) into the --fp4-weights model as it is
+    in BF16, parameter for parameter; so the logits are equal and greedy generation gives the
+    same tokens. Loaded in FP32 (dequantize=True), the logits are those of the --fp4-weights
+    folder with its weights in BF16, to FP32 rounding. The packed linears are uint8 codes and
+    E4M3 scales, 0.28x the BF16 bytes. nvfp4 leaves its first and last blocks in BF16."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+    checkpoint(tmp_path / 'ckpt.pt', recipe=recipe, n_layer=4)
+    export_hf.main([str(tmp_path / 'ckpt.pt'), str(tmp_path / 'packed'), '--fp4-packed'])
+    export_hf.main([str(tmp_path / 'ckpt.pt'), str(tmp_path / 'deq'), '--fp4-weights'])
+    qc = json.loads((tmp_path / 'packed' / 'config.json').read_text())['quantization_config']
+    bf16_blocks = [0, 3] if recipe == 'nvfp4' else []
+    assert qc['format'] == 'nvfp4-pack-quantized' and qc['quant_method'] == 'compressed-tensors'
+    assert qc['config_groups']['group_0']['input_activations'] is None
+    assert sorted(qc['ignore']) == sorted(['lm_head'] + [f'model.layers.{i}.{m}' for i in bf16_blocks
+                                                          for m in export_hf.LLAMA_LINEARS])
+    t = packed_tensors(tmp_path / 'packed')
+    packed = [k for k in t if k.endswith('.weight_packed')]
+    assert len(packed) == 7 * (4 - len(bf16_blocks)) and all(t[k].dtype == torch.uint8 for k in packed)
+    ratio = sum(t[k[:-7] + s].nbytes for k in packed for s in ('_packed', '_scale', '_global_scale')) / \
+        sum(2 * 2 * t[k].numel() for k in packed)
+    assert ratio <= 0.3, ratio
+    assert all(t[k].dtype == torch.bfloat16 for k in t if k.endswith('.weight'))
+    hp = AutoModelForCausalLM.from_pretrained(tmp_path / 'packed').eval()
+    hd = AutoModelForCausalLM.from_pretrained(tmp_path / 'deq', dtype=torch.bfloat16).eval()
+    assert hp.dtype == torch.bfloat16
+    idx = torch.randint(0, 384, (2, 32), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():  # the first forward decompresses the packed linears
+        assert torch.equal(hp(idx).logits, hd(idx).logits)
+    packed_params = dict(hp.named_parameters())
+    for name, p in hd.named_parameters():
+        assert torch.equal(packed_params[name], p), name
+    gen = transformers.GenerationConfig(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=None)
+    ours = hd.generate(idx[:, :6], attention_mask=torch.ones_like(idx[:, :6]), generation_config=gen)
+    assert torch.equal(hp.generate(idx[:, :6], attention_mask=torch.ones_like(idx[:, :6]), generation_config=gen), ours)
+    assert len(set(ours[:, 6:].flatten().tolist())) > 3
+    hp32 = AutoModelForCausalLM.from_pretrained(tmp_path / 'packed', dtype=torch.float32,
+                                                quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    hd32 = load_hf(tmp_path / 'deq')
+    for p in hd32.parameters():
+        p.data = p.data.bfloat16().float()
+    with torch.no_grad():
+        ours, theirs = hd32(idx).logits, hp32(idx).logits
+    assert ours.abs().max() > 1 and rel_err(ours, theirs) < 1e-6, rel_err(ours, theirs)
+
+@needs_fp4
+def test_fp4_packed_refusals(tmp_path):
+    """Recipes whose FP4 weight is not one packed NVFP4 tensor that transformers can load, and
+    recipes without FP4 layers, stop with one line; from the command line: exit 1, no traceback."""
+    cases = [('fullstack', 'compressed-tensors has no added low-rank term'),
+             ('quartet', 'transformers drops transform_config'),
+             ('bf16', 'recipe bf16, which has no FP4 layers: export without --fp4-packed')]
+    for recipe, expect in cases:
+        checkpoint(tmp_path / f'{recipe}.pt', recipe=recipe)
+        with pytest.raises(SystemExit, match=expect) as e:
+            export_hf.main([str(tmp_path / f'{recipe}.pt'), str(tmp_path / recipe), '--fp4-packed'])
+        assert '--fp4-weights' in str(e.value) or recipe == 'bf16'
+    import subprocess
+    r = subprocess.run([sys.executable, os.path.join(HERE, 'export_hf.py'), str(tmp_path / 'fullstack.pt'),
+                        str(tmp_path / 'out'), '--fp4-packed'], capture_output=True, text=True, cwd=HERE)
+    assert r.returncode == 1 and r.stderr.count('\n') == 1 and 'Traceback' not in r.stderr, r.stderr
+    assert not (tmp_path / 'out').exists()
 
 # -----------------------------------------------------------------------------
 # errors and the tokenizer
