@@ -8,7 +8,7 @@ lora_refit_interval = 4000  # and at steps 50, 100, 200, ... before it (train.py
 end_blocks = 'bf16'       # first and last blocks BF16, as nvfp4 does: at 30M, 13M tokens, 0.58%
                           # [0.24%, 0.93%] closer to BF16 than all six in FP4 (docs/accuracy.md)
 attention = 'nvfp4'       # Q, K, V quantized once; Q K^T and the dS products in NVFP4 (8.3)
-optimizer = 'root_fp4'    # ROOT with NVFP4 Newton-Schulz and FP4 momentum on the 2-D hidden
+optimizer = 'root_fp4'    # ROOT with NVFP4 Newton-Schulz (BF16 momentum) on the 2-D hidden
                           # weights (8.2); AdamW with FP4 states (8.1) on the rest (optim.build)
 dataset = 'fineweb'
 out_dir = 'out/30m-fullstack'
