@@ -433,6 +433,31 @@ def gemm_multiple(recipe):
     import fp4
     return fp4._dim_multiple(recipe)
 
+def shape_problem(size, n_kv_head, recipe, batch_size, block_size):
+    """What the recipe's FP4 (or FP8) GEMMs cannot divide, as one line, or None: every block
+    linear's in and out features, and the tokens of a micro-step (batch_size * block_size), over
+    which the weight gradient's GEMM runs. Checked before training rather than in the first forward."""
+    try:
+        cfg = config_for(size, block_size=block_size, n_kv_head=n_kv_head)
+    except (AssertionError, ValueError) as e:
+        return f'model_size={size!r} with n_kv_head={n_kv_head}: {e}'
+    mult = gemm_multiple(recipe)
+    tokens = batch_size * block_size
+    if tokens % mult:
+        step = mult // math.gcd(batch_size, mult)  # block_size must be a multiple of this
+        fits = [b for b in (block_size // step * step, (block_size // step + 1) * step) if b]
+        return (f'recipe {recipe!r} needs batch_size * block_size divisible by {mult} (its low-precision GEMMs '
+                f'run over the tokens of a micro-step), got {batch_size} * {block_size} = {tokens}: '
+                f"use e.g. --block_size={' or '.join(map(str, fits))}, or another batch_size")
+    hs = cfg.n_embd // cfg.n_head
+    dims = dict(n_embd=cfg.n_embd, ffn_hidden=cfg.ffn_hidden, qkv_width=(cfg.n_head + 2 * cfg.n_kv_head) * hs)
+    bad = {k: v for k, v in dims.items() if v % mult}
+    if bad:
+        return (f'recipe {recipe!r} needs every block linear dim divisible by {mult}; model_size={size!r}, '
+                f'n_kv_head={n_kv_head} give {bad}: choose another n_kv_head or model_size')
+    return None
+
+
 def to_float8(model, scaling='tensorwise', blocks=None):
     """The block linears (or all of `blocks`' linears) as torchao Float8Linear, in place, with
     torchao's `scaling` recipe ('tensorwise', 'rowwise'): FP8 GEMMs in all three products, the

@@ -37,7 +37,7 @@ import optim
 import runlog
 from runlog import log
 from model import (ATTENTIONS, END_BLOCKS, GPT, GPTConfig, RECIPES, RECOMPUTES, SIZES, Graphed, apply_recipe,
-                   config_for, fp4_blocks, gemm_multiple, graphed)
+                   config_for, fp4_blocks, graphed, shape_problem)
 
 # -----------------------------------------------------------------------------
 # config: every global here can be overridden by config/*.py and --key=value
@@ -166,35 +166,9 @@ def check_config():
                                        "saves and restores the GPU's RNG state, which a CUDA graph capture forbids")
     if lr_decay_iters > 0 and warmup_iters > lr_decay_iters:
         raise configurator.ConfigError(f'warmup_iters={warmup_iters} is longer than lr_decay_iters={lr_decay_iters}')
-    check_shapes()
-
-def check_shapes():
-    """The dims and token counts the recipe's FP4 (or FP8) GEMMs must divide, checked now rather
-    than in the first forward: every block linear's in and out features, and the tokens of a
-    micro-step (batch_size * block_size), over which the weight gradient's GEMM runs."""
-    try:
-        cfg = config_for(model_size, block_size=block_size, n_kv_head=n_kv_head)
-    except (AssertionError, ValueError) as e:
-        raise configurator.ConfigError(f'model_size={model_size!r} with n_kv_head={n_kv_head}: {e}')
-    mult = gemm_multiple(recipe)
-    if mult == 1:
-        return
-    tokens = batch_size * block_size
-    if tokens % mult:
-        step = mult // math.gcd(batch_size, mult)  # block_size must be a multiple of this
-        fits = [b for b in (block_size // step * step, (block_size // step + 1) * step) if b]
-        raise configurator.ConfigError(
-            f'recipe {recipe!r} needs batch_size * block_size divisible by {mult} (its low-precision GEMMs '
-            f'run over the tokens of a micro-step), got {batch_size} * {block_size} = {tokens}: '
-            f"use e.g. --block_size={' or '.join(map(str, fits))}, or another batch_size")
-    hs = cfg.n_embd // cfg.n_head
-    dims = dict(n_embd=cfg.n_embd, ffn_hidden=cfg.ffn_hidden,
-                qkv_width=(cfg.n_head + 2 * cfg.n_kv_head) * hs)
-    bad = {k: v for k, v in dims.items() if v % mult}
-    if bad:
-        raise configurator.ConfigError(f'recipe {recipe!r} needs every block linear dim divisible by '
-                                       f'{mult}; model_size={model_size!r}, n_kv_head={n_kv_head} '
-                                       f'give {bad}: choose another n_kv_head or model_size')
+    problem = shape_problem(model_size, n_kv_head, recipe, batch_size, block_size)
+    if problem:
+        raise configurator.ConfigError(problem)
 
 # -----------------------------------------------------------------------------
 # data
