@@ -691,8 +691,8 @@ def section_ns_time(args):
     mats = {s: torch.randn(*s, device="cuda", generator=gen) for s in set(shapes)}
     rows = []
     for precision, design in [("fp32", "-"), ("bf16", "-"), ("nvfp4", "residual"), ("nvfp4", "bf16_tail"),
-                              ("nvfp4", "compensated_tail"), ("nvfp4", "residual, graphed"),
-                              ("nvfp4", "compensated_tail, graphed")]:
+                              ("nvfp4", "compensated_tail"), ("nvfp4", "diagonal_tail"), ("nvfp4", "residual, graphed"),
+                              ("nvfp4", "compensated_tail, graphed"), ("nvfp4", "diagonal_tail, graphed")]:
         d = design.partition(",")[0] if design != "-" else "compensated_tail"
         stats = {}
         ns = optim.GraphedNS() if design.endswith("graphed") else None  # ROOT's default on a GPU

@@ -35,6 +35,17 @@ import fp4
 #   (the band is not contracting as a whole: f'(1.2) = 3.9), so there every operand is two NVFP4
 #   terms, x ~ Q(x) + Q(x - Q(x)) (relative error ~1% instead of ~10%): the Gram takes 2 FP4
 #   GEMMs (Q1 Q1^T + C + C^T, C = Q1 Q2^T), B' X takes 3 (the Q2 Q2 term is dropped).
+# - a diagonal shift for uneven rows (design 'diagonal_tail', the default; docs/newton_schulz_uneven.md):
+#   with row norms r_i spread 1000:1, A_ii = r_i^2 is far below mu for small rows, so D = A - mu I
+#   carries -mu on their diagonal and rounds their off-diagonal entries (and B'_ii + beta, which
+#   must nearly cancel) to 4 bits of mu: ~8% noise a step on exactly the rows still growing.
+#   Split A = diag(d) + O instead (d_i = |x_i|^2 in FP32, O the off-diagonal part) and quantize only
+#   O; then B = bA + cA^2 = diag(b d + c d^2 + c rowsum(O^2)) + [b O + c O.(d_i + d_k) + c offdiag(O O)],
+#   the diagonal multiplies X's rows in FP32 (a per-row scale: a GEMM epilogue, SPEC 8.2), and O O
+#   and offdiag(B) X run in NVFP4. What is left is the small singular directions' noise: with
+#   spread, errors of every step but the first stay visible (column spread, a few rows 1000x the
+#   rest), so all steps after the first are compensated, with all three products two-term (O O
+#   like the Gram: 2 GEMMs).
 
 MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 # ROOT (arXiv 2511.20626): one (a, b, c) for all steps, tuned per matrix shape, keyed here by
@@ -51,13 +62,16 @@ NS_PRECISIONS = ("fp32", "bf16", "nvfp4")
 #   'f' residual form + guard, one NVFP4 GEMM per product
 #   'c' residual form + guard, compensated (two-term) operands, all GEMMs NVFP4
 #   'g' BF16 (the plain bf16 step) + guard
-NS_DESIGNS = {
-    "naive": ("n", "n"),            # (mode of the first steps, mode of the last TAIL steps)
-    "residual": ("f", "f"),
-    "bf16_tail": ("f", "g"),
-    "compensated_tail": ("f", "c"),
+#   'd' diagonal shift + guard, one NVFP4 GEMM per product
+#   'k' diagonal shift + guard, compensated operands in all three products
+NS_DESIGNS = {  # (mode of the first steps, mode of the last steps, how many last steps)
+    "naive": ("n", "n", 2),
+    "residual": ("f", "f", 2),
+    "bf16_tail": ("f", "g", 2),
+    "compensated_tail": ("f", "c", 2),
+    "diagonal_tail": ("d", "k", 4),
 }
-NS_TAIL = 2  # steps at the end that run in the tail mode
+NS_DESIGN = "diagonal_tail"  # the default of precision='nvfp4' (newton_schulz, ROOT, GraphedNS)
 GUARD_S = 1.2  # the guard's bound on the top singular value
 
 
@@ -74,7 +88,7 @@ def ns_coefficients(shape, coefficients="root"):
 
 
 def newton_schulz(G, steps=5, coefficients=MUON_COEFFICIENTS, precision="fp32",
-                  design="compensated_tail", stats=None):
+                  design=NS_DESIGN, stats=None):
     """Approximate polar factor of the 2-D G (FP32 result, G's shape). precision: 'fp32',
     'bf16' (Muon's reference: X and every product in BF16) or 'nvfp4' (the GEMMs on NVFP4
     operands, laid out by `design`, a key of NS_DESIGNS). stats, if a dict, collects the GEMM
@@ -111,8 +125,8 @@ def _ns_plan(precision, design, steps):
     """The mode of each step: 'e' fp32, 'b' bf16, or the design's FP4 modes."""
     if precision != "nvfp4":
         return ("e" if precision == "fp32" else "b") * steps
-    head, tail = NS_DESIGNS[design]
-    k = min(NS_TAIL, steps)
+    head, tail, k = NS_DESIGNS[design]
+    k = min(k, steps)
     return head * (steps - k) + tail * k
 
 
@@ -213,18 +227,38 @@ def _step_residual(X, abc, stats, compensated=False):
     delta = torch.trace(D2) / m
     beta = b * mu + c * mu * mu + c * delta  # B = beta I + B'
     Bp = (b + 2 * c * mu) * D + c * (D2 - delta * eye)
+    return (a + beta) * X + _product(Bp, X, compensated, stats)
+
+
+def _step_diagonal(X, abc, stats, compensated=False):
+    """One guarded step with A's diagonal split off (the section's header): 3 NVFP4 GEMMs, or 7
+    compensated (A: 2, O O: 2, offdiag(B) X: 3)."""
+    a, b, c = abc
+    X, A = _guard(X, _gram(X, compensated, stats))
+    d = (X * X).sum(1)  # (m,) diag(X X^T) in FP32: an O(mn) reduction, not a GEMM
+    O = A - torch.diag_embed(torch.diagonal(A))  # (m, m) symmetric, zero diagonal
+    O2 = _gram(O, compensated, stats)  # O O = O O^T
+    diag_b = b * d + c * d * d + c * (O * O).sum(1)  # diag(B): diag(O^2)_i = sum_k O_ik^2
+    Ob = b * O + c * O * (d[:, None] + d[None, :]) + c * O2  # diag(d) O + O diag(d) = O.(d_i + d_k)
+    Ob = Ob - torch.diag_embed(torch.diagonal(Ob))
+    return (a + diag_b)[:, None] * X + _product(Ob, X, compensated, stats)
+
+
+def _product(M, X, compensated, stats):
+    """M X (M (m, m), X (m, n)) on NVFP4 operands quantized along m; compensated: 3 GEMMs of two
+    terms each (the Q2 Q2 term dropped)."""
     if not compensated:
-        return (a + beta) * X + _nvmm(_nv(Bp), _nv(X, axis=0), stats)
-    b1, b2 = _two_terms(Bp)
+        return _nvmm(_nv(M), _nv(X, axis=0), stats)
+    m1, m2 = _two_terms(M)
     x1, x2 = _two_terms(X, axis=0)  # X^T along m: (n, m)
-    BX = _nvmm(b1, x1, stats) + _nvmm(b1, x2, stats) + _nvmm(b2, x1, stats)
-    return (a + beta) * X + BX
+    return _nvmm(m1, x1, stats) + _nvmm(m1, x2, stats) + _nvmm(m2, x1, stats)
 
 
 _NS_STEPS = {
     "e": _step_fp32, "b": _step_bf16, "n": _step_naive,
     "g": lambda X, abc, stats: _step_bf16(X, abc, stats, guard=True),
     "f": _step_residual, "c": lambda X, abc, stats: _step_residual(X, abc, stats, compensated=True),
+    "d": _step_diagonal, "k": lambda X, abc, stats: _step_diagonal(X, abc, stats, compensated=True),
 }
 
 
@@ -251,7 +285,7 @@ class GraphedNS:
     def __init__(self):
         self.graphs, self.pool = {}, None
 
-    def __call__(self, u, steps, coefficients, precision, design="compensated_tail"):
+    def __call__(self, u, steps, coefficients, precision, design=NS_DESIGN):
         if precision != "nvfp4" or not u.is_cuda or torch.cuda.is_current_stream_capturing():
             return newton_schulz(u, steps, coefficients, precision, design)
         key = (tuple(u.shape), u.dtype, u.device, steps, tuple(coefficients), design)

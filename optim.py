@@ -14,7 +14,7 @@ import formats
 import fp4
 import cuda_kernels as kernels
 # the Newton-Schulz iteration lives in its own file; these names are optim's API too (DESIGN.md)
-from newton_schulz import (GraphedNS, MUON_COEFFICIENTS, NS_DESIGNS, NS_GRAPH, NS_PRECISIONS,  # noqa: F401
+from newton_schulz import (GraphedNS, MUON_COEFFICIENTS, NS_DESIGN, NS_DESIGNS, NS_GRAPH, NS_PRECISIONS,  # noqa: F401
                            ROOT_COEFFICIENTS, newton_schulz, ns_coefficients)
 
 # ---------------------------------------------------------------------------------------------
@@ -520,7 +520,7 @@ class ROOT(PackedStates, torch.optim.Optimizer):
 
     def __init__(self, params, lr=1.5e-3, momentum=0.95, weight_decay=0.1, coefficients="root",
                  soft_threshold=0.9, ns="bf16", state="fp32", nesterov=True, ns_steps=5,
-                 ns_design="compensated_tail", scale="rms", ns_graph=None):
+                 ns_design=NS_DESIGN, scale="rms", ns_graph=None):
         _check_root_options(lr, momentum, weight_decay, coefficients, soft_threshold, ns, state,
                             ns_steps, ns_design, scale)
         ns_graph = NS_GRAPH if ns_graph is None else ns_graph

@@ -1,9 +1,10 @@
-"""The numerics measurements behind the design choices: python measure.py --sections ns,states,root_states,lora_rank
+"""The numerics measurements behind the design choices: python study/measure.py --sections ns,ns_uneven,states,root_states,lora_rank
 
 SPEC's "decide by measurement": each section measures the candidate designs of one numeric choice,
 on a CPU, or on a GPU where there is one:
 
 $ python study/measure.py --sections ns --ns-sizes 30m --momentum out/mom30m_muon/ckpt.pt   # Newton-Schulz designs
+$ python study/measure.py --sections ns_uneven --ns-sizes 30m --momentum out/mom30m_muon/ckpt.pt   # uneven rows/columns
 $ python study/measure.py --sections states --states-lm 300    # the NVFP4 optimizer-state format (optim.py)
 $ python study/measure.py --sections root_states --root-lm 300  # the format of ROOT's momentum (optim.ROOT_STATES)
 $ python study/measure.py --sections lora_rank --ckpt out/ckpt.pt --backward   # the fullstack recipe's rank
@@ -11,6 +12,7 @@ $ python study/measure.py --sections lora_rank --device=cuda --synthetic=2048x20
 
 ns: Newton-Schulz in FP4 (optim.py, SPEC 8.2), the cosine to the exact polar factor per design, at
 every 2-D block shape of --ns-sizes (its GPU time per optimizer step is bench.py --sections ns_time).
+ns_uneven: the same on inputs whose row or column norms spread up to 1000:1, and on momentum.
 states: candidate NVFP4 formats of AdamW's m and v (SPEC 8.1), single-shot and EMA errors and a
 regression's loss. root_states: ROOT's momentum held in FP32, BF16, one or two NVFP4 terms, its
 recursion replayed on a synthetic gradient stream (and the tiny LM trained). lora_rank: how much the BF16 rank-r part (LoRA-SVD, SPEC 8.4) cuts a linear
@@ -383,6 +385,85 @@ NS_COLS = ["size", "matrix", "shape", "source", "coef", "precision", "design", "
 
 
 # ---------------------------------------------------------------------------------------------
+# ns_uneven: Newton-Schulz in FP4 on matrices whose rows or columns have uneven norms (momentum:
+# some output channels carry most of the gradient); docs/newton_schulz_uneven.md
+
+NS_UNEVEN_DESIGNS = [("fp32", "-"), ("bf16", "-"), ("nvfp4", "compensated_tail"), ("nvfp4", "diagonal_tail")]
+
+
+def scaled_gaussian(shape, axis, norms, seed):
+    """A Gaussian matrix (FP64) with row (axis 0) or column (axis 1) i scaled by norms[i]."""
+    Z = torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return Z * (norms[:, None] if axis == 0 else norms[None, :])
+
+
+def _uneven_sources(shape, spreads, seeds, momenta):
+    """(name, matrix) per input: norms log-uniform over spread:1 (both ends drawn) along rows or
+    columns, a few (5%) rows or columns 1000x the rest, and each run's momentum (raw and
+    soft-thresholded, as ROOT sees it)."""
+    import optim
+    for axis, where in ((0, "rows"), (1, "cols")):
+        n = shape[axis]
+        for spread in spreads:
+            for seed in seeds:
+                u = torch.rand(n, generator=torch.Generator().manual_seed(1000 + seed), dtype=torch.float64)
+                u = (u - u.min()) / (u.max() - u.min())
+                yield f"{where} log-uniform {spread:g}:1 seed {seed}", scaled_gaussian(shape, axis, spread ** -u, seed)
+        norms = torch.ones(n, dtype=torch.float64)
+        norms[torch.randperm(n, generator=torch.Generator().manual_seed(7))[: n // 20]] = 1000.0
+        yield f"{where} 5% at 1000:1", scaled_gaussian(shape, axis, norms, 0)
+    for tag, mats in momenta.items():
+        if shape in mats:
+            yield tag, mats[shape].double()
+            yield f"{tag}+soft", optim.soft_threshold(mats[shape], 0.9).double()
+
+
+def _norm_spread(G, dim):
+    n = G.norm(dim=dim)
+    return round(float(n.max() / n.min().clamp(min=1e-300)), 1)
+
+
+def section_ns_uneven(args):
+    """Per shape of --ns-sizes and input: each design's cosine to U V^T, its difference to BF16's and
+    FP32's, the largest singular value, the GEMM FLOP share in NVFP4, the projected Blackwell GEMM
+    cost against BF16 (from FLOPs, FP4_SPEEDUP), and the seconds this machine took (CPU: the FP4
+    GEMMs emulated in FP32, so these seconds say nothing of a GPU)."""
+    import optim
+    momenta = {os.path.basename(os.path.dirname(p)) or p: momentum_matrices(p) for p in args.momentum}
+    spreads = [float(v) for v in args.uneven_spreads.split(",")]
+    seeds = [int(v) for v in args.uneven_seeds.split(",")]
+    rows = []
+    for size in args.ns_sizes.split(","):
+        for name, shape in ns_shapes(size).items():
+            abc = optim.ns_coefficients(shape, "muon")
+            for source, G in _uneven_sources(shape, spreads, seeds, momenta):
+                u, _, vh = torch.linalg.svd(G, full_matrices=False)
+                G, P = G.float(), u @ vh
+                got = []
+                for precision, design in NS_UNEVEN_DESIGNS:
+                    t = time.time()
+                    r = ns_quality(G, P, abc, precision, design)
+                    got.append(dict(size=size, matrix=name, shape=f"{shape[0]}x{shape[1]}", source=source,
+                                    row_spread=_norm_spread(G, 1), col_spread=_norm_spread(G, 0),
+                                    precision=precision, design=design, **{k: v for k, v in r.items() if not k.startswith("_")},
+                                    cost=r["_cost"], cpu_s=round(time.time() - t, 2)))
+                ref = {r["precision"]: r for r in got[:2]}
+                for r in got:
+                    r["d_cos_vs_bf16"] = round(r["cos"] - ref["bf16"]["cos"], 4)
+                    r["d_cos_vs_fp32"] = round(r["cos"] - ref["fp32"]["cos"], 4)
+                    r["cost_vs_bf16"] = round(r.pop("cost") / (ref["bf16"]["gemm_flops"]), 3)
+                    print_table_row(r, NS_UNEVEN_COLS)
+                rows += got
+    print()
+    print_table(rows, NS_UNEVEN_COLS)
+    return rows
+
+
+NS_UNEVEN_COLS = ["matrix", "shape", "source", "row_spread", "col_spread", "precision", "design", "cos",
+                  "d_cos_vs_bf16", "d_cos_vs_fp32", "sv_max", "fp4_share", "cost_vs_bf16", "cpu_s"]
+
+
+# ---------------------------------------------------------------------------------------------
 # lora_rank: how much the fullstack recipe's BF16 rank-r part (LoRA-SVD, SPEC 8.4) cuts a linear
 # layer's FP4 quantization error, by rank: the measurement behind the default rank (docs/fullstack.md,
 # "LoRA-SVD and the fullstack recipe").
@@ -622,9 +703,10 @@ def section_lora_rank(args):
 # ---------------------------------------------------------------------------------------------
 # the command line: sections, their options, where their rows go
 
-SECTIONS = {"ns": section_ns, "states": section_states, "root_states": section_root_states, "lora_rank": section_lora_rank}
-FILES = {"ns": "bench_ns.json", "states": "bench_states.json", "root_states": "measure_root_states.json",
-         "lora_rank": "lora_rank.json"}  # results/<gpu>/
+SECTIONS = {"ns": section_ns, "ns_uneven": section_ns_uneven, "states": section_states,
+            "root_states": section_root_states, "lora_rank": section_lora_rank}
+FILES = {"ns": "bench_ns.json", "ns_uneven": "optim/ns_uneven.json", "states": "bench_states.json",
+         "root_states": "measure_root_states.json", "lora_rank": "lora_rank.json"}  # results/<gpu>/
 
 
 def parse(argv=None):
@@ -635,6 +717,8 @@ def parse(argv=None):
     ap.add_argument("--ns-sizes", default="30m,1b", help="ns: model.SIZES names whose block shapes to test")
     ap.add_argument("--momentum", nargs="*", default=[], metavar="CKPT",
                     help="ns: train.py checkpoints of Muon/ROOT runs whose momentum matrices to test")
+    ap.add_argument("--uneven-spreads", default="1,10,100,1000", help="ns_uneven: row/column norm spreads (log-uniform)")
+    ap.add_argument("--uneven-seeds", default="0,1", help="ns_uneven: seeds per spread")
     ap.add_argument("--states-lm", type=int, default=0, help="states: also train the tiny LM this many steps per format and seed (CPU: ~2 min a run)")
     ap.add_argument("--root-shapes", default="640x640,640x1792", help="root_states: comma list of RxC matrix shapes")
     ap.add_argument("--root-steps", type=int, default=60, help="root_states: steps of the momentum replay")

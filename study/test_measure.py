@@ -66,6 +66,24 @@ def test_section_ns_rows_at_tiny_shapes():
             assert r["d_cos_vs_bf16"] < -0.3, r
 
 
+def test_section_ns_uneven_rows(monkeypatch):
+    """One row per design and input (log-uniform rows and columns, 5% at 1000:1); the spreads it
+    reports are the input's; the projected cost is the FLOP count's: diagonal_tail does
+    44 m^2 n + 18 m^3 NVFP4 FLOPs against BF16's 20 m^2 n + 10 m^3 (62 / 4 / 30 for a square)."""
+    monkeypatch.setattr(measure, "ns_shapes", lambda size: {"o": (64, 64)})
+    args = SimpleNamespace(ns_sizes="tiny", momentum=[], uneven_spreads="1000", uneven_seeds="0")
+    rows = measure.section_ns_uneven(args)
+    assert len(rows) == 4 * len(measure.NS_UNEVEN_DESIGNS)
+    for r in rows:
+        along = "row_spread" if r["source"].startswith("rows") else "col_spread"
+        assert 500 < r[along] < 2000, r  # 1000:1 times the Gaussian rows' own spread
+        assert (r["fp4_share"] > 0) == (r["precision"] == "nvfp4"), r
+        if r["design"] == "diagonal_tail":
+            assert r["cost_vs_bf16"] == round(62 / 4 / 30, 3), r
+            if "log-uniform" in r["source"]:  # the bound's inputs (test_newton_schulz.py tests it)
+                assert abs(r["d_cos_vs_bf16"]) < 0.005, r
+
+
 # ---------------------------------------------------------------------------------------------
 # states
 
