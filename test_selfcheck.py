@@ -1,0 +1,163 @@
+"""The first-use self-checks (selfcheck.py, fp4.py's checks) on the CPU: Blackwell's native GEMM
+and cvt.rs SR encoder are emulated here from their documented layouts, then broken the ways a
+layout error would break them; each fault must be caught, and the fallback must give the
+reference's bits."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import formats
+import fp4
+import selfcheck
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    selfcheck.reset()  # each test is a fresh process for the cache
+    yield
+    selfcheck.reset()
+
+
+# --- a CPU stand-in of torch.nn.functional.scaled_mm on Blackwell (SPEC 7) -----------------------
+
+def cublas_scales(flat, rows, cols, fault):
+    """Scale (r, c) of cuBLAS's 1D block-scaling layout: 128x4 tiles of 512 bytes, row-major over
+    tiles, inside a tile at (r % 32) * 16 + (r % 128) // 32 * 4 + c % 4. fault 'tiles': the tile
+    read transposed (c % 4) * 128 + r % 128."""
+    cp = -(-cols // 4) * 4
+    r, c = torch.arange(rows).view(-1, 1), torch.arange(cols).view(1, -1)
+    inner = (c % 4) * 128 + r % 128 if fault == "tiles" else (r % 32) * 16 + (r % 128) // 32 * 4 + c % 4
+    return flat[((r // 128) * (cp // 4) + c // 4) * 512 + inner]
+
+
+def fp4_values(codes, scales, fault):
+    """Packed codes (rows, K/2) and swizzled scales -> values, as the hardware reads them: element
+    2i in the low nibble (fault 'nibbles': the high one)."""
+    lo, hi = codes & 15, codes >> 4
+    if fault == "nibbles":
+        lo, hi = hi, lo
+    c = torch.stack([lo, hi], -1).flatten(-2).long()  # (rows, K)
+    v = E2M1[c & 7] * torch.where(c >= 8, -1.0, 1.0)
+    bits = scales.view(torch.uint8)
+    if scales.dtype == torch.float8_e8m0fnu:  # E8M0: 2^(e - 127), 0xFF NaN
+        per = torch.where(bits == 255, float("nan"), torch.exp2(bits.double() - 127))
+    else:
+        per = bits.view(torch.float8_e4m3fn).double()
+    bs = 32 if scales.dtype == torch.float8_e8m0fnu else 16
+    s = cublas_scales(per, c.shape[0], c.shape[1] // bs, fault)
+    return v.double() * s.repeat_interleave(bs, 1)
+
+
+def native_standin(fault=None, calls=None):
+    def scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, swizzle_a, swizzle_b, output_dtype):
+        if calls is not None:
+            calls.append(1)
+        # The nibble fault hits the transposed operand only: the same swap in both operands permutes
+        # the contraction inside each block alike and leaves every product unchanged (harmless).
+        a = fp4_values(mat_a.view(torch.uint8), scale_a, "tiles" if fault == "tiles" else None)
+        b = fp4_values(mat_b.t().view(torch.uint8), scale_b, fault)  # mat_b is (K/2, N), column-major
+        return (a @ b.t()).to(output_dtype)
+    return scaled_mm
+
+
+def use_native(monkeypatch, fault=None, calls=None):
+    monkeypatch.setattr(torch.nn.functional, "scaled_mm", native_standin(fault, calls))
+    monkeypatch.setattr(fp4, "mm_backend", lambda fmt, device: "native")
+
+
+def test_native_standin_passes_and_is_checked_once_a_process(monkeypatch):
+    """The right layout passes; later uses are a cache hit (the GEMM is not run again)."""
+    calls = []
+    use_native(monkeypatch, calls=calls)
+    for _ in range(5):
+        assert fp4.checked_backend("native", torch.device("cpu")) == "native"
+    assert len(calls) == 2  # the check's two GEMMs (mxfp4, nvfp4), once
+    assert selfcheck.summary()["fallbacks"] == {} and "mm.native on cpu" in selfcheck.summary()["verified"]
+    assert any("mm.native on cpu: verified" in line for line in selfcheck.LOG)
+
+
+@pytest.mark.parametrize("fault", ["nibbles", "tiles"])
+def test_native_layout_fault_is_caught_and_falls_back_to_reference_bits(monkeypatch, fault):
+    use_native(monkeypatch, fault)
+    a, b = fp4.mm_probe("mxfp4")
+    with pytest.warns(RuntimeWarning, match=r"mm\.native on cpu .*FAILED.*got .*want"):
+        got = fp4.mm(a, b, torch.float32)  # the default backend: native, checked on first use
+    want = fp4.mm(a, b, torch.float32, backend="emulated")
+    assert not selfcheck.mismatches(got, want)
+    assert list(selfcheck.summary()["fallbacks"]) == ["mm.native on cpu"]
+    assert fp4.checked_backend("native", torch.device("cpu")) == "bf16"  # cached: no second warning
+
+
+# --- a CPU stand-in of cvt.rs.satfinite.e2m1x4.f32 (SPEC 4) ------------------------------------
+
+def cvt_rs(v, r, order):
+    """The PTX rule: add the random byte to the 8 bits below the kept mantissa, round away from
+    zero on the carry. Element k of each 4 takes byte order[k] of the word (r holds byte i mod 4
+    at element i, the reference's layout)."""
+    r = r.reshape(-1, 4)[:, order].reshape(v.shape).double()
+    a = v.abs().clamp(max=6.0).double()
+    s = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    lo = torch.floor(a / s) * s
+    frac = torch.floor((a - lo) / s * 256)  # the discarded bits, as 8 bits
+    mag = (lo + s * (frac + r >= 256)).clamp(max=6.0).nan_to_num(0.0)
+    code = torch.searchsorted(E2M1.double(), mag).to(torch.uint8)
+    return code | torch.where(v < 0, 8, 0).to(torch.uint8)
+
+
+def sr_standin(order, monkeypatch):
+    def quantize_fn(x, xm, fmt, **o):
+        with monkeypatch.context() as m:
+            m.setattr(fp4, "e2m1_encode_sr", lambda v, r: cvt_rs(v, r, order))
+            return fp4.quantize(x, fmt, **o)
+    return quantize_fn
+
+
+def test_cvt_rs_probe_one_element_at_1_25():
+    """SPEC 4's probe: 1.25 with random byte 0x80 rounds up to 1.5; with byte 0 it stays 1.0."""
+    v = torch.tensor([[1.25, 1.25, 1.25, 1.25]])
+    r = torch.tensor([[0x80, 0, 0, 0]])
+    assert cvt_rs(v, r, [0, 1, 2, 3]).tolist() == [[3, 2, 2, 2]]
+    assert cvt_rs(v, r, [3, 2, 1, 0]).tolist() == [[2, 2, 2, 3]]
+
+
+def test_sr_check_accepts_the_right_byte_mapping_and_catches_the_other(monkeypatch):
+    cpu = torch.device("cpu")
+    assert fp4.sr_mismatches(sr_standin([0, 1, 2, 3], monkeypatch), cpu) == []
+    bad = fp4.sr_mismatches(sr_standin([3, 2, 1, 0], monkeypatch), cpu)
+    assert bad and "codes" in bad[0], bad
+
+
+# --- the mechanism -----------------------------------------------------------------------------
+
+def test_mismatches_compare_bits_with_nan_equal():
+    x = torch.tensor([1.0, float("nan"), 0.0])
+    assert selfcheck.mismatches(x, x.clone()) == []
+    bad = selfcheck.mismatches(torch.tensor([1.0, float("nan"), -0.0]), x)
+    assert len(bad) == 1 and "(2,)" in bad[0]
+
+
+def test_selfcheck_off_uses_paths_unchecked_and_says_so(monkeypatch):
+    use_native(monkeypatch, "nibbles")
+    monkeypatch.setattr(selfcheck, "ENABLED", False)
+    assert fp4.checked_backend("native", torch.device("cpu")) == "native"
+    assert any("FP4_SELFCHECK=0" in line for line in selfcheck.LOG)
+
+
+def test_cli_prints_table_and_writes_check_json(tmp_path):
+    env = dict(os.environ, PYTHONPATH=HERE)
+    p = subprocess.run([sys.executable, "-m", "fp4", "check"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = {ln.split("|")[0].strip(): ln.split("|")[2].strip() for ln in p.stdout.splitlines() if "|" in ln}
+    assert rows["mm.emulated"] == rows["mm.bf16"] == rows["quantize.reference"] == "verified"
+    assert rows["mm.native"] == rows["kernel.sr"] == "unavailable"
+    saved = json.loads((tmp_path / "results" / "cpu" / "check.json").read_text())
+    assert saved["command"] == "python -m fp4 check" and len(saved["rows"]) == len(rows) - 1
+    bad = subprocess.run([sys.executable, "-m", "fp4", "check", "--bogus"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "usage" in bad.stderr and "Traceback" not in bad.stderr
