@@ -42,7 +42,8 @@ class Check:
 CHECKS = {}  # path -> Check, in registration order
 _RESULTS = {}  # (path, device string) -> bool: the per-process cache
 FALLBACKS = {}  # 'path on device' -> the first mismatches
-LOG = []  # the lines the checks logged (train.py writes them to its log)
+LOG = []  # the lines the checks logged
+SINK = None  # where they go as they happen (train.py: its log); stderr while None
 
 
 def register(check):
@@ -70,7 +71,7 @@ def _first_use(check, device):
         FALLBACKS[f"{check.path} on {device}"] = bad[:3]
         line = (f"selfcheck: {check.path} on {device} ({_device_name(device)}) FAILED against "
                 f"{check.against}: {'; '.join(bad[:3])}. Using {check.fallback} for the rest of the run")
-        LOG.append(line)
+        _log(line, echo=SINK is not None)
         warnings.warn(line, RuntimeWarning, stacklevel=3)
     return ok
 
@@ -84,10 +85,21 @@ def _run(check, device):
     return not bad, bad, (time.perf_counter() - t) * 1e3
 
 
-def _log(line):
+def _log(line, echo=True):
     if line not in LOG:
         LOG.append(line)
-        print(line, file=sys.stderr)
+        if echo:
+            SINK(line) if SINK else print(line, file=sys.stderr)
+
+
+def attach(sink):
+    """Send the check lines to `sink` (train.py's log): those logged so far, then each as it happens."""
+    global SINK
+    SINK = sink
+    for line in LOG:
+        sink(line)
+    if not ENABLED:
+        _log("selfcheck: off (FP4_SELFCHECK=0): accelerated paths are used unchecked")
 
 
 def summary():
@@ -98,7 +110,9 @@ def summary():
 
 
 def reset():
-    """Forget every result (tests: a fresh process)."""
+    """Forget every result and the log sink (tests: a fresh process)."""
+    global SINK
+    SINK = None
     _RESULTS.clear()
     FALLBACKS.clear()
     LOG.clear()

@@ -161,3 +161,27 @@ def test_cli_prints_table_and_writes_check_json(tmp_path):
     assert saved["command"] == "python -m fp4 check" and len(saved["rows"]) == len(rows) - 1
     bad = subprocess.run([sys.executable, "-m", "fp4", "check", "--bogus"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "usage" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_layer_with_a_failing_native_path_trains_on_the_fallback_and_logs_it(monkeypatch):
+    """An FP4 linear layer whose default backend is a broken native GEMM: the log sink (train.py's
+    log) gets the failure line, and output and gradients are those of the exact backend."""
+    def step(layer, x):
+        torch.manual_seed(0)  # the backward's random signs and SR seeds
+        y = layer(x)
+        y.square().sum().backward()
+        return y.detach(), x.grad.clone(), layer.weight.grad.clone()
+
+    torch.manual_seed(1)
+    layer, x = fp4.FP4Linear(256, 128), torch.randn(64, 256)
+    want = step(layer, x.clone().requires_grad_())
+    lines = []
+    selfcheck.attach(lines.append)
+    use_native(monkeypatch, "tiles")
+    monkeypatch.setattr(fp4, "mm_backend", lambda fmt, device: "native" if fmt == "mxfp4" else "emulated")
+    layer.weight.grad = None
+    with pytest.warns(RuntimeWarning, match="mm.native"):
+        got = step(layer, x.clone().requires_grad_())
+    assert any("mm.native on cpu (cpu) FAILED" in ln and "bf16" in ln for ln in lines), lines
+    for g, w in zip(got, want):
+        assert not selfcheck.mismatches(g, w)
