@@ -2,6 +2,7 @@
 and cvt.rs SR encoder are emulated here from their documented layouts, then broken the ways a
 layout error would break them; each fault must be caught, and the fallback must give the
 reference's bits."""
+import contextlib
 import json
 import os
 import subprocess
@@ -185,3 +186,33 @@ def test_layer_with_a_failing_native_path_trains_on_the_fallback_and_logs_it(mon
     assert any("mm.native on cpu (cpu) FAILED" in ln and "bf16" in ln for ln in lines), lines
     for g, w in zip(got, want):
         assert not selfcheck.mismatches(g, w)
+
+
+# --- the fused AdamW-NVFP4 kernel: a stand-in that mixes up its two SR seeds ----------------------
+
+def fused_adamw_standin(swap_seeds):
+    import optim
+
+    def step(p, st, group, c, seeds):
+        s0, s1 = seeds[::-1] if swap_seeds else seeds
+        m, v = optim.adamw_nvfp4_reference(p, optim.dequantize_state(st["exp_avg"]), optim.dequantize_state(st["exp_avg_sq"]), c)
+        rm, rv = optim._roundings(group)
+        st["exp_avg"] = optim.quantize_state(m, "signed", s0, rounding=rm, hadamard=group["hadamard"])
+        st["exp_avg_sq"] = optim.quantize_state(v, "sqrt", s1, rounding=rv, hadamard=group["hadamard"], mean=group["mean"])
+    return step
+
+
+def test_fused_adamw_check_catches_a_broken_kernel_and_the_optimizer_falls_back(monkeypatch):
+    import optim
+    monkeypatch.setattr(optim, "_kernel_device", lambda p: True)  # the CPU plays the GPU
+    monkeypatch.setattr(optim, "_adamw_nvfp4_kernel", fused_adamw_standin(False))
+    assert optim._check_fused_adamw(torch.device("cpu")) == []
+    monkeypatch.setattr(optim, "_adamw_nvfp4_kernel", fused_adamw_standin(True))
+    assert optim._check_fused_adamw(torch.device("cpu"))
+    ps = [torch.nn.Parameter(torch.linspace(-1, 1, 33 * 128).view(33, 128)) for _ in range(2)]
+    for p, fused in zip(ps, (None, False)):  # the default (checked) and the twin
+        p.grad = torch.linspace(0.5, -0.3, 33 * 128).view(33, 128)
+        with pytest.warns(RuntimeWarning, match="kernel.adamw_nvfp4 on cpu") if fused is None else contextlib.nullcontext():
+            optim.AdamW([p], state="nvfp4", hadamard=128, mean="block", seed=3, fused=fused).step()
+    assert "kernel.adamw_nvfp4 on cpu" in selfcheck.summary()["fallbacks"]
+    assert not selfcheck.mismatches(ps[0].detach(), ps[1].detach())
