@@ -216,3 +216,33 @@ def test_fused_adamw_check_catches_a_broken_kernel_and_the_optimizer_falls_back(
             optim.AdamW([p], state="nvfp4", hadamard=128, mean="block", seed=3, fused=fused).step()
     assert "kernel.adamw_nvfp4 on cpu" in selfcheck.summary()["fallbacks"]
     assert not selfcheck.mismatches(ps[0].detach(), ps[1].detach())
+
+
+# --- the Triton attention kernels: a stand-in that forgets the causal mask ------------------------
+
+def triton_standins(monkeypatch, causal_ok):
+    import attention as A
+
+    def forward(qq, kq, vq, causal, scale, dtype, **kw):
+        o, lse = A.reference_forward(qq, kq, vq, causal and causal_ok, scale)
+        return o.to(dtype), lse
+
+    def backward(do, o, lse, qq, kq, vq, causal, scale, seed, ds_rounding, **kw):
+        grads = A.reference_backward(do, o, lse, qq, kq, vq, causal, scale, int(seed.item()), ds_rounding)
+        return tuple(g.to(o.dtype) for g in grads)
+    monkeypatch.setattr(A, "triton_forward", forward)
+    monkeypatch.setattr(A, "triton_backward", backward)
+    monkeypatch.setattr(A, "_triton_here", lambda device: True)  # the CPU plays the GPU
+    return A
+
+
+def test_triton_attention_check_catches_a_missing_mask_and_falls_back(monkeypatch):
+    A = triton_standins(monkeypatch, causal_ok=True)
+    assert A._check_triton(torch.device("cpu")) == []
+    A = triton_standins(monkeypatch, causal_ok=False)
+    assert any(line.startswith("O:") for line in A._check_triton(torch.device("cpu")))
+    q, k, v = (torch.randn(1, 2, 64, 32, generator=torch.Generator().manual_seed(i)).bfloat16() for i in range(3))
+    with pytest.warns(RuntimeWarning, match="triton.attention on cpu"):
+        got = A.attention(q, k, v, fmt="nvfp4")
+    monkeypatch.setattr(A, "_triton_here", lambda device: False)
+    assert not selfcheck.mismatches(got, A.attention(q, k, v, fmt="nvfp4"))  # the reference's bits
