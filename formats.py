@@ -408,3 +408,18 @@ def qtensor_mismatches(got, want, what):
     if want.mask is not None:
         bad += selfcheck.mismatches(got.mask.cpu(), want.mask, what + " mask ")
     return bad
+
+
+QUANT_CASES = [dict(fmt="mxfp4"), dict(fmt="mxfp4", scale_rule="quest", hadamard=32),
+               dict(fmt="nvfp4"), dict(fmt="nvfp4", scale_rule="four_over_six"),
+               dict(fmt="nvfp4", block2d=True)]
+SR_CASES = [dict(fmt="mxfp4", rounding="sr", seed=5), dict(fmt="nvfp4", rounding="sr", hadamard=16, seed=6)]
+
+
+def quant_args(kw):
+    """A probe case -> (fmt, the rest of quantize's arguments), Hadamard signs drawn."""
+    o = dict(axis=1, scale_rule="absmax", rounding="rn", hadamard=0, signs=None, seed=0, block2d=False) | kw
+    fmt = o.pop("fmt")
+    if o["hadamard"]:
+        o["signs"] = random_signs(o["hadamard"], 3)
+    return fmt, o

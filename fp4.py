@@ -38,7 +38,8 @@ import selfcheck  # first-use checks of the accelerated paths (below: "Self-chec
 from formats import (DeviceSeed, DeviceSigns, e2m1_decode, e2m1_encode, e2m1_encode_sr, E2M1_GRID,
                      e4m3_decode, e4m3_encode, e4m3_encode_sr, E4M3_MAX, E4M3_NAN, e8m0_decode,
                      E8M0_NAN, EDEN_GROUP, FORMATS, hadamard, HADAMARD_SIZES, hash_key, mm_probe, pack, QTensor,
-                     qtensor_mismatches, quant_probe, to_device, QUEST_SCALE, random_bytes, random_signs, ROUNDINGS, SCALE_RULES, uniform, unpack,
+                     qtensor_mismatches, quant_args, quant_probe, QUANT_CASES, QUEST_SCALE, random_bytes,
+                     random_signs, ROUNDINGS, SCALE_RULES, SR_CASES, to_device, uniform, unpack,
                      _check_hadamard, _check_input, _fwht, _host_rng, _tree_sum)  # noqa: F401 (re-exported: fp4 is the public API)
 
 # ---------------------------------------------------------------------------------------------
@@ -914,26 +915,12 @@ def _check_reference_quantizer(device):
     return selfcheck.mismatches(got, want, "E2M1 ") + selfcheck.mismatches(q.scales[:, 0].cpu(), torch.tensor([127, E8M0_NAN], dtype=torch.uint8), "scale ")
 
 
-_QUANT_CASES = [dict(fmt="mxfp4"), dict(fmt="mxfp4", scale_rule="quest", hadamard=32),
-                dict(fmt="nvfp4"), dict(fmt="nvfp4", scale_rule="four_over_six"),
-                dict(fmt="nvfp4", block2d=True)]
-_SR_CASES = [dict(fmt="mxfp4", rounding="sr", seed=5), dict(fmt="nvfp4", rounding="sr", hadamard=16, seed=6)]
-
-
-def _quant_args(kw):
-    o = dict(axis=1, scale_rule="absmax", rounding="rn", hadamard=0, signs=None, seed=0, block2d=False) | kw
-    fmt = o.pop("fmt")
-    if o["hadamard"]:
-        o["signs"] = random_signs(o["hadamard"], 3)
-    return fmt, o
-
-
 def sr_mismatches(quantize_fn, device):
     """SR quantization through `quantize_fn` (the kernels, or a stand-in) against the reference's
     integer rule (SPEC 4). Every element takes a different random byte: a wrong byte -> element
     mapping (cvt.rs's, unconfirmed) moves about half of the probe's 1.25s."""
     x, bad = quant_probe(), []
-    for fmt, o in map(_quant_args, _SR_CASES):
+    for fmt, o in map(quant_args, SR_CASES):
         bad += qtensor_mismatches(quantize_fn(x.to(device), x.to(device), fmt, **o), quantize(x, fmt, **o), f"{fmt} sr")
     return bad
 
@@ -941,11 +928,11 @@ def sr_mismatches(quantize_fn, device):
 def _check_kernel(family):
     def run(device):
         x, bad = quant_probe(), []
-        cases = {"quantize": _QUANT_CASES, "sr": [], "dequantize": _QUANT_CASES[:3],
-                 "requantize": _SR_CASES, "fold": _QUANT_CASES[:1], "rotate_back": _QUANT_CASES[1:2]}[family]
+        cases = {"quantize": QUANT_CASES, "sr": [], "dequantize": QUANT_CASES[:3],
+                 "requantize": SR_CASES, "fold": QUANT_CASES[:1], "rotate_back": QUANT_CASES[1:2]}[family]
         if family == "sr":
             return sr_mismatches(kernels.quantize, device)
-        for fmt, o in map(_quant_args, cases):
+        for fmt, o in map(quant_args, cases):
             bad += _kernel_case(family, quantize(x, fmt, **o), fmt, o, x, device)
         return bad
     return run
@@ -967,6 +954,20 @@ def _kernel_case(family, want, fmt, o, x, device):
     return selfcheck.mismatches(kernels.rotate_back(d.to(device), q.mask, 32).cpu(), _rotate_back(d, want, 32), "rotate_back ")
 
 
+def _speed(path, n=2048):
+    """The table's speed: TFLOP/s of an mm backend on (n, n) MXFP4 operands (the CPU: n / 4); GB/s
+    of the quantize kernel, (4n, 4n) BF16 -> MXFP4, against a device copy of as many bytes."""
+    def speed(device):
+        if path.startswith("mm."):
+            m = n if device.type == "cuda" else n // 4
+            a, b = (quantize(torch.randn(m, m, device=device), "mxfp4") for _ in range(2))
+            return selfcheck.gemm_speed(lambda: mm(a, b, backend=path[3:]), 2 * m**3, device)
+        x = torch.randn(4 * n, 4 * n, device=device, dtype=torch.bfloat16)
+        quant = lambda: kernels.quantize(x, x, "mxfp4", 1, "absmax", "rn", 0, None, 0, False)  # noqa: E731
+        return selfcheck.kernel_speed(quant, int(x.numel() * (2 + 1 / 2 + 1 / 32)), device)
+    return speed if path.startswith("mm.") or path == "kernel.quantize" else None
+
+
 def _why_not(device, cc=None):
     """None where a GPU path exists on `device`, else why not; cc: the compute capabilities it needs
     (None: a kernels.cu family, which needs CuPy)."""
@@ -986,13 +987,10 @@ for _path, _run, _against, _fallback, _avail in (
         ("mm.bf16", _mm_check("bf16"), _EXACT, "the emulated mm", None),
         ("mm.fp8", _mm_check("fp8"), _EXACT, "the bf16 mm backend", lambda d: _why_not(d, lambda c: c >= (8, 9))),
         ("mm.native", _mm_check("native"), _EXACT, "the bf16 mm backend", lambda d: _why_not(d, lambda c: c[0] in (10, 12))),
-        *(("kernel." + f, _check_kernel(f), "the PyTorch reference quantizer on the CPU, bit for bit",
+        *(("kernel." + f, _check_kernel(f), "the PyTorch reference on the CPU, bit for bit" + (" (SPEC 4's integer SR rule)" if f == "sr" else ""),
            "the PyTorch reference", _why_not) for f in ("quantize", "sr", "dequantize", "requantize", "fold", "rotate_back"))):
-    selfcheck.register(selfcheck.Check(_path, _run, _against, _fallback, _avail or (lambda d: None)))
+    selfcheck.register(selfcheck.Check(_path, _run, _against, _fallback, _avail or (lambda d: None), _speed(_path)))
 
 if __name__ == "__main__":  # python -m fp4 check: the checks of the imported modules, not of this copy
-    import sys
-    import attention, fp4, optim  # noqa: E401,F401 (each registers its checks)
-    if sys.argv[1:2] != ["check"]:
-        sys.exit("usage: python -m fp4 check")
-    sys.exit(selfcheck.main(sys.argv[2:]))
+    import attention, fp4, optim, sys  # noqa: E401,F401 (each registers its checks)
+    sys.exit(selfcheck.main(sys.argv[1:]))

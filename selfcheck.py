@@ -36,7 +36,7 @@ class Check:
     against: str  # what the path is compared with, said plainly (the table's column)
     fallback: str  # what runs instead when the check fails
     available: Callable  # device -> None, or why the path does not exist there
-    speed: Optional[Callable] = None  # device -> (value, unit text) for the table
+    speed: Optional[Callable] = None  # device -> the table's speed text (see gemm_speed, kernel_speed)
 
 
 CHECKS = {}  # path -> Check, in registration order
@@ -144,6 +144,34 @@ def _float_bits(x):
 # ---------------------------------------------------------------------------------------------
 # python -m fp4 check: every check this machine can run, as a table and results/<gpu>/check.json
 
+def seconds(fn, device, reps=5):
+    """Median wall time of fn() on `device` (synchronised on CUDA), after one warm-up call."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
+    fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def gemm_speed(fn, flops, device):
+    return f"{flops / seconds(fn, device) / 1e12:.2f} TFLOP/s"
+
+
+def kernel_speed(fn, nbytes, device):
+    """GB/s of the bytes a kernel must read and write, and that as a share of a device copy moving
+    the same bytes (read + write): how near the kernel runs to the memory bound."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy = nbytes / seconds(lambda: dst.copy_(src), device)
+    own = nbytes / seconds(fn, device)
+    return f"{own / 1e9:.0f} GB/s ({100 * own / copy:.0f}% of copy)"
+
+
 def devices():
     return [torch.device("cpu")] + [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
 
@@ -164,7 +192,10 @@ def _row(check, dev):
     _RESULTS[(check.path, str(dev))] = ok
     speed = None
     if ok and check.speed is not None:
-        speed = check.speed(dev)
+        try:
+            speed = check.speed(dev)
+        except Exception as err:  # a speed that cannot be measured is not a failed check
+            speed = f"not measured ({type(err).__name__})"
     return dict(path=check.path, device=str(dev), status="verified" if ok else "fallback",
                 against=check.against, detail="; ".join(bad[:3]) if bad else f"{ms:.0f} ms", speed=speed)
 
@@ -187,11 +218,11 @@ def format_table(rows):
     return "\n".join([fmt.format(*head), "-+-".join("-" * w for w in widths)] + [fmt.format(*map(str, ln)) for ln in lines])
 
 
-def main(argv=(), out_root="results"):
+def main(argv=("check",), out_root="results"):
     """Run every check, print the table, write results/<gpu>/check.json. Exit status 1 when a path
     this machine would use failed (it falls back; a new machine should not train unnoticed)."""
-    if argv:
-        print(f"usage: python -m fp4 check (takes no arguments, got {' '.join(argv)})", file=sys.stderr)
+    if list(argv) != ["check"]:
+        print(f"usage: python -m fp4 check (got: {' '.join(argv) or 'no command'})", file=sys.stderr)
         return 2
     rows = table()
     print(format_table(rows))

@@ -246,3 +246,14 @@ def test_triton_attention_check_catches_a_missing_mask_and_falls_back(monkeypatc
         got = A.attention(q, k, v, fmt="nvfp4")
     monkeypatch.setattr(A, "_triton_here", lambda device: False)
     assert not selfcheck.mismatches(got, A.attention(q, k, v, fmt="nvfp4"))  # the reference's bits
+
+
+# --- GPU: every path this GPU has passes its check (the H200's paths are bit-exact in the tests) ---
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_every_available_path_verifies_on_this_gpu():
+    import attention, optim  # noqa: E401,F401 (their checks)
+    rows = selfcheck.table([torch.device("cuda")])
+    bad = [r for r in rows if r["status"] == "fallback"]
+    assert not bad, bad
+    assert any(r["status"] == "verified" and r["path"].startswith("kernel.") for r in rows) or not fp4.kernels_enabled()
