@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 import formats
 import fp4
+import selfcheck  # the Triton kernels' first-use check (below)
 
 try:
     import triton
@@ -303,8 +304,38 @@ def _random_bytes(keys, r, c):
 # Autograd and torch.compile: two custom ops (opaque to the compiler, no graph breaks)
 
 def _use_kernels(device):
-    """Triton kernels on CUDA unless FP4_ATTENTION=torch (or Triton is missing)."""
+    """Triton kernels on CUDA unless FP4_ATTENTION=torch (or Triton is missing), once they passed
+    their first-use check on this device (else the PyTorch reference)."""
+    return _triton_here(device) and selfcheck.verified("triton.attention", device)
+
+
+def _triton_here(device):
     return device.type == "cuda" and triton is not None and os.environ.get("FP4_ATTENTION", "triton") != "torch"
+
+
+def _check_triton(device):
+    """The Triton forward and backward against the PyTorch reference on the same quantized operands
+    and seed: (1, 2, 80, 32), causal, T not a multiple of the 64-tile, SR dS. Not bit for bit (FP32
+    sums in another order; dS's SR flips where a sum lands on a rounding boundary): within
+    test_attention.py's bounds, relative O 4e-3, dQ and dK 3e-2, dV 4e-3, absolute lse 1e-4."""
+    g = torch.Generator().manual_seed(80)
+    q, k, v, do = (torch.randn(1, 2, 80, 32, generator=g).to(device, torch.bfloat16) for _ in range(4))
+    qq, kq, vq = quantize_qkv(q), quantize_qkv(k), quantize_qkv(v)
+    sc = 32 ** -0.5
+    o, lse = triton_forward(qq, kq, vq, True, sc, torch.bfloat16)
+    o_r, lse_r = reference_forward(qq, kq, vq, True, sc)
+    seed = torch.tensor([7], dtype=torch.int32, device=device)
+    grads = triton_backward(do, o, lse, qq, kq, vq, True, sc, seed, "sr")
+    want = reference_backward(do, o, lse, qq, kq, vq, True, sc, 7, "sr")
+    pairs = (("O", o, o_r, 4e-3), ("dQ", grads[0], want[0], 3e-2), ("dK", grads[1], want[1], 3e-2), ("dV", grads[2], want[2], 4e-3))
+    errs = [(name, float((x.float() - y.float()).norm() / y.float().norm()), bound) for name, x, y, bound in pairs]
+    errs.append(("lse (absolute)", float((lse.float() - lse_r.float()).abs().max()), 1e-4))
+    return [f"{name}: error {err:.2e} > {bound}" for name, err, bound in errs if not err <= bound]
+
+
+selfcheck.register(selfcheck.Check(
+    "triton.attention", _check_triton, "the PyTorch reference (reference_forward/backward), within test_attention's bounds",
+    "the PyTorch reference", lambda d: None if _triton_here(d) else "no CUDA device with Triton (or FP4_ATTENTION=torch)"))
 
 
 def _fwd_impl(q, k, v, causal, scale):

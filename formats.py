@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+import selfcheck  # the self-checks' comparison (the probes below report through it)
+
 # ---------------------------------------------------------------------------------------------
 # E2M1: the FP4 element (SPEC 1)
 
@@ -355,3 +357,69 @@ def _check_input(x):
         raise TypeError(f"FP4 quantization takes float32, bfloat16 or float16 input, got {x.dtype}")
     if x.numel() == 0:
         raise ValueError(f"cannot quantize an empty tensor (shape {tuple(x.shape)})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixed probe inputs of the self-checks (selfcheck.py): small, where a layout error shows
+
+def mm_probe(fmt, k=256):
+    """Fixed operands a (136, k), b (72, k) where a layout error hides: rows padded to 128-row scale
+    tiles and several 4-column tiles, every nibble value (-0 too), scales varying inside a tile, a
+    NaN block scale, NVFP4 tensor scales. Values code * scale with scales in [2^-1, 4]: every
+    product and partial sum is exact in FP32 (< 24 bits), so any summation order gives the same bits."""
+    g = torch.Generator().manual_seed(7)
+    bs = FORMATS[fmt]
+
+    def operand(rows, ts):
+        codes = torch.randint(0, 256, (rows, k // 2), generator=g, dtype=torch.uint8)
+        if fmt == "mxfp4":
+            scales = torch.randint(126, 130, (rows, k // bs), generator=g, dtype=torch.uint8)
+        else:
+            grid = torch.tensor([0.5, 0.75, 1.0, 1.5, 2.0, 3.0])
+            scales = e4m3_encode(grid[torch.randint(0, 6, (rows, k // bs), generator=g)])
+        tscale = None if fmt == "mxfp4" else torch.tensor(ts)
+        return QTensor(codes, scales, tscale, fmt, (rows, k), 1)
+
+    a, b = operand(136, 0.25), operand(72, 2.0)
+    a.scales[5, 1] = E8M0_NAN if fmt == "mxfp4" else E4M3_NAN  # row 5 of the product: NaN
+    return a, b
+
+
+def to_device(q, device):
+    ts = None if q.tensor_scale is None else q.tensor_scale.to(device)
+    return QTensor(q.codes.to(device), q.scales.to(device), ts, q.fmt, q.shape, q.axis, q.mask)
+
+
+def quant_probe():
+    """(160, 256): rows padded to scale tiles (and divisible by 32 for a requantize along them),
+    blocks of magnitudes 2^-8..2^7, -0, a NaN, a zero block, SR's probe values."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(160, 256, generator=g) * 2.0 ** torch.randint(-8, 8, (160, 8, 1), generator=g).repeat_interleave(32, 1).view(160, 256)
+    x[3, 5], x[4, 0:32], x[9, 17] = -0.0, 0.0, float("nan")
+    x[10] = torch.tensor([1.25, -2.5, 4.4, 0.3, 1.75, -3.1, 5.0, 0.7]).repeat(32)  # SR's probe values
+    return x
+
+
+def qtensor_mismatches(got, want, what):
+    bad = selfcheck.mismatches(got.codes.cpu(), want.codes, what + " codes ")
+    bad += selfcheck.mismatches(got.scales.cpu(), want.scales, what + " scales ")
+    if want.tensor_scale is not None:
+        bad += selfcheck.mismatches(got.tensor_scale.cpu().view(-1), want.tensor_scale.view(-1), what + " tensor scale ")
+    if want.mask is not None:
+        bad += selfcheck.mismatches(got.mask.cpu(), want.mask, what + " mask ")
+    return bad
+
+
+QUANT_CASES = [dict(fmt="mxfp4"), dict(fmt="mxfp4", scale_rule="quest", hadamard=32),
+               dict(fmt="nvfp4"), dict(fmt="nvfp4", scale_rule="four_over_six"),
+               dict(fmt="nvfp4", block2d=True)]
+SR_CASES = [dict(fmt="mxfp4", rounding="sr", seed=5), dict(fmt="nvfp4", rounding="sr", hadamard=16, seed=6)]
+
+
+def quant_args(kw):
+    """A probe case -> (fmt, the rest of quantize's arguments), Hadamard signs drawn."""
+    o = dict(axis=1, scale_rule="absmax", rounding="rn", hadamard=0, signs=None, seed=0, block2d=False) | kw
+    fmt = o.pop("fmt")
+    if o["hadamard"]:
+        o["signs"] = random_signs(o["hadamard"], 3)
+    return fmt, o

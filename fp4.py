@@ -34,10 +34,12 @@ import os
 import torch
 
 import cuda_kernels as kernels  # the CUDA kernels' launchers (kernels.cu through CuPy)
+import selfcheck  # first-use checks of the accelerated paths (below: "Self-checks")
 from formats import (DeviceSeed, DeviceSigns, e2m1_decode, e2m1_encode, e2m1_encode_sr, E2M1_GRID,
                      e4m3_decode, e4m3_encode, e4m3_encode_sr, E4M3_MAX, E4M3_NAN, e8m0_decode,
-                     E8M0_NAN, EDEN_GROUP, FORMATS, hadamard, HADAMARD_SIZES, hash_key, pack, QTensor,
-                     QUEST_SCALE, random_bytes, random_signs, ROUNDINGS, SCALE_RULES, uniform, unpack,
+                     E8M0_NAN, EDEN_GROUP, FORMATS, hadamard, HADAMARD_SIZES, hash_key, mm_probe, pack, QTensor,
+                     qtensor_mismatches, quant_args, quant_probe, QUANT_CASES, QUEST_SCALE, random_bytes,
+                     random_signs, ROUNDINGS, SCALE_RULES, SR_CASES, to_device, uniform, unpack,
                      _check_hadamard, _check_input, _fwht, _host_rng, _tree_sum)  # noqa: F401 (re-exported: fp4 is the public API)
 
 # ---------------------------------------------------------------------------------------------
@@ -70,7 +72,8 @@ def quantize(x, fmt="mxfp4", axis=-1, scale_rule="absmax", rounding="rn", hadama
     xm = x.detach().movedim(axis, -1)
     k = xm.shape[-1]
     signs = _check_quantize(fmt, scale_rule, rounding, hadamard, signs, block2d, xm.shape, x.ndim)
-    if x.is_cuda and kernels_enabled():
+    if x.is_cuda and _kernel_ok(x.device, "quantize", rounding):
+        fold = fold and _kernel_ok(x.device, "fold")
         return kernels.quantize(x, xm, fmt, axis, scale_rule, rounding, hadamard, signs, seed, block2d, fold)
     seed, signs = _host_rng(seed, signs)
     xf = xm.reshape(-1, k).float()  # (R, K)
@@ -224,7 +227,7 @@ def _eden_scales(xb, codes, s, g, seed):
 
 def dequantize(q, dtype=torch.float32):
     """QTensor -> tensor of the input's shape (still rotated if a Hadamard was applied)."""
-    if q.codes.is_cuda and kernels_enabled():
+    if q.codes.is_cuda and _kernel_ok(q.codes.device, "dequantize"):
         return kernels.dequantize(q, dtype)
     k = q.lead_shape[-1]
     codes = unpack(q.codes).reshape(-1, k // q.block, q.block)
@@ -266,7 +269,7 @@ def requantize(q, fmt=None, scale_rule="absmax", rounding="sr", hadamard=0, sign
     if len(q.shape) != 2:
         raise ValueError(f"requantize takes a 2-D QTensor, got shape {q.shape}")
     fmt = fmt or q.fmt
-    if q.codes.is_cuda and kernels_enabled():
+    if q.codes.is_cuda and _kernel_ok(q.codes.device, "requantize", rounding):
         k = q.shape[1 - q.axis]
         signs = _check_quantize(fmt, scale_rule, rounding, hadamard, signs, False, (k,), 2)
         return kernels.requantize(q, fmt, scale_rule, rounding, hadamard, signs, seed)
@@ -283,7 +286,7 @@ def fold_mx(q):
         raise ValueError(f"fold_mx takes an mxfp4 QTensor, got {q.fmt}")
     if q.folded is not None:
         return q.folded
-    if q.codes.is_cuda and kernels_enabled():
+    if q.codes.is_cuda and _kernel_ok(q.codes.device, "fold"):
         return kernels.fold(q)
     k = q.lead_shape[-1]
     codes = unpack(q.codes).reshape(-1, k // 32, 32)
@@ -324,14 +327,15 @@ FAST_ACCUM_BITS = int(os.environ.get("FP4_FAST_ACCUM_BITS", "14"))
 def mm(a, b, out_dtype=torch.bfloat16, backend=None):
     """dequantize(a) @ dequantize(b).T for QTensors a (M, K) and b (N, K) quantized along K."""
     _check_mm(a, b)
-    backend = backend or mm_backend(a.fmt, a.codes.device)
+    if backend is None:  # the default is self-checked on first use; a backend asked for runs as asked
+        backend = checked_backend(mm_backend(a.fmt, a.codes.device), a.codes.device)
     if backend not in MM_BACKENDS:
         raise ValueError(f"unknown mm backend {backend!r}; allowed: {MM_BACKENDS}")
     if backend == "emulated":  # the definition: FP32 values, an FP32 GEMM (never TF32)
         with ieee_fp32(a.codes.device):
             return (_dequantize_lead(a) @ _dequantize_lead(b).t()).to(out_dtype)
-    if not a.codes.is_cuda:
-        raise ValueError(f"mm backend {backend!r} needs CUDA tensors; use 'emulated' on the CPU")
+    if not a.codes.is_cuda and backend != "bf16":
+        raise ValueError(f"mm backend {backend!r} needs CUDA tensors; use 'emulated' or 'bf16' on the CPU")
     return {"bf16": _mm_bf16, "fp8": _mm_fp8, "native": _mm_native}[backend](a, b, out_dtype)
 
 
@@ -579,7 +583,7 @@ def _rotate_back(d, q, n):
     """(dL/d(XH) * m) H^T (SPEC 5): the straight-through estimator with QuEST's clip mask, then
     the inverse rotation (H is symmetric), computed in FP32 and rounded to d's dtype. On a GPU
     one kernel does it in one pass (rotate_back in kernels.cu), bit for bit."""
-    if d.is_cuda and kernels_enabled() and q.mask is not None and n % 32 == 0:
+    if d.is_cuda and q.mask is not None and n % 32 == 0 and _kernel_ok(d.device, "rotate_back"):
         return kernels.rotate_back(d, q.mask, n)
     m = q.clip_mask()
     return hadamard(d * m if m is not None else d, n)
@@ -857,3 +861,136 @@ def backends(device=None):
 def kernels_enabled():
     """True when CUDA tensors go through kernels.cu (CuPy importable, FP4_KERNELS not 'torch')."""
     return kernels.enabled()
+
+
+# ---------------------------------------------------------------------------------------------
+# Self-checks of the accelerated paths (DESIGN.md "Self-checks", docs/selfcheck.md): each GEMM
+# backend and kernel family, on small fixed inputs, against the reference on the CPU
+
+_MM_FALLBACK = {"native": "bf16", "fp8": "bf16", "bf16": "emulated"}  # each exact (SPEC 7)
+
+
+def checked_backend(backend, device):
+    """The backend mm uses by default, or its exact fallback where the first-use check failed."""
+    while backend != "emulated" and not selfcheck.verified("mm." + backend, device):
+        backend = _MM_FALLBACK[backend]
+    return backend
+
+
+def _kernel_ok(device, family, rounding=None):
+    """kernels.cu's `family` (and its SR encoder, for rounding 'sr') on `device`: enabled and
+    verified on first use; else the PyTorch reference computes it (the integer SR rule)."""
+    return (kernels.enabled() and selfcheck.verified("kernel." + family, device)
+            and (rounding != "sr" or selfcheck.verified("kernel.sr", device)))
+
+
+def _mm_check(backend):
+    """The backend on the probes against the emulated mm; the emulated mm against FP64 (exact here)."""
+    def run(device):
+        bad = []
+        for fmt in ("mxfp4", "nvfp4"):
+            a, b = mm_probe(fmt)
+            if backend == "emulated":
+                want = (_dequantize_lead(a).double() @ _dequantize_lead(b).double().t()).float()
+                got = mm(to_device(a, device), to_device(b, device), torch.float32, backend="emulated")
+            else:  # the backend function is looked up now: tests swap in stand-ins
+                want = mm(a, b, torch.float32, backend="emulated")
+                got = {"bf16": _mm_bf16, "fp8": _mm_fp8, "native": _mm_native}[backend](to_device(a, device), to_device(b, device), torch.float32)
+            bad += selfcheck.mismatches(got, want, f"{backend} {fmt} ")
+        return bad
+    return run
+
+
+def _check_reference_quantizer(device):
+    """The reference quantizer against SPEC 1-2's facts: every E2M1 value (and -0) codes back to
+    itself (block amax 6: scale 1), SPEC 1's ties round to even, a NaN makes the block scale NaN."""
+    grid = torch.tensor(E2M1_GRID)
+    vals = torch.cat([grid, -grid, torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])])
+    want = torch.cat([grid, -grid, torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0])])
+    x = torch.cat([vals, torch.zeros(32 - vals.numel())]).view(1, 32)
+    x = torch.cat([x, x.flip(-1) * float("nan")])  # (2, 32): block 2 holds NaNs
+    q = quantize(x, "mxfp4")  # on the CPU: the reference
+    want[8] = 0.0  # -0 codes as +0: the sign bit is set for v < 0 only
+    got = dequantize(q)[0, : vals.numel()]
+    return selfcheck.mismatches(got, want, "E2M1 ") + selfcheck.mismatches(q.scales[:, 0].cpu(), torch.tensor([127, E8M0_NAN], dtype=torch.uint8), "scale ")
+
+
+def sr_mismatches(quantize_fn, device):
+    """SR quantization through `quantize_fn` (the kernels, or a stand-in) against the reference's
+    integer rule (SPEC 4). Every element takes a different random byte: a wrong byte -> element
+    mapping (cvt.rs's, unconfirmed) moves about half of the probe's 1.25s."""
+    x, bad = quant_probe(), []
+    for fmt, o in map(quant_args, SR_CASES):
+        bad += qtensor_mismatches(quantize_fn(x.to(device), x.to(device), fmt, **o), quantize(x, fmt, **o), f"{fmt} sr")
+    return bad
+
+
+def _check_kernel(family):
+    def run(device):
+        x, bad = quant_probe(), []
+        cases = {"quantize": QUANT_CASES, "sr": [], "dequantize": QUANT_CASES[:3],
+                 "requantize": SR_CASES, "fold": QUANT_CASES[:1], "rotate_back": QUANT_CASES[1:2]}[family]
+        if family == "sr":
+            return sr_mismatches(kernels.quantize, device)
+        for fmt, o in map(quant_args, cases):
+            bad += _kernel_case(family, quantize(x, fmt, **o), fmt, o, x, device)
+        return bad
+    return run
+
+
+def _kernel_case(family, want, fmt, o, x, device):
+    xd, q = x.to(device), to_device(want, device)
+    if family == "quantize":
+        return qtensor_mismatches(kernels.quantize(xd, xd, fmt, **o), want, fmt)
+    if family == "dequantize":
+        return selfcheck.mismatches(kernels.dequantize(q, torch.float32).cpu(), dequantize(want), fmt)
+    if family == "requantize":
+        r = dict(scale_rule="absmax", rounding="sr", hadamard=o["hadamard"], signs=o["signs"], seed=9)
+        return qtensor_mismatches(kernels.requantize(q, fmt, **r), requantize(want, fmt, **r), fmt + " requantize")
+    if family == "fold":
+        (ge, gr), (we, wr) = kernels.fold(q), fold_mx(want)
+        return selfcheck.mismatches(ge.cpu(), we, "fold elements ") + selfcheck.mismatches(gr.cpu(), wr, "fold rows ")
+    d = x.bfloat16()  # rotate_back: the clip mask and Hadamard-32 applied to a BF16 gradient
+    return selfcheck.mismatches(kernels.rotate_back(d.to(device), q.mask, 32).cpu(), _rotate_back(d, want, 32), "rotate_back ")
+
+
+def _speed(path, n=2048):
+    """The table's speed: TFLOP/s of an mm backend on (n, n) MXFP4 operands (the CPU: n / 4); GB/s
+    of the quantize kernel, (4n, 4n) BF16 -> MXFP4, against a device copy of as many bytes."""
+    def speed(device):
+        if path.startswith("mm."):
+            m = n if device.type == "cuda" else n // 4
+            a, b = (quantize(torch.randn(m, m, device=device), "mxfp4") for _ in range(2))
+            return selfcheck.gemm_speed(lambda: mm(a, b, backend=path[3:]), 2 * m**3, device)
+        x = torch.randn(4 * n, 4 * n, device=device, dtype=torch.bfloat16)
+        quant = lambda: kernels.quantize(x, x, "mxfp4", 1, "absmax", "rn", 0, None, 0, False)  # noqa: E731
+        return selfcheck.kernel_speed(quant, int(x.numel() * (2 + 1 / 2 + 1 / 32)), device)
+    return speed if path.startswith("mm.") or path == "kernel.quantize" else None
+
+
+def _why_not(device, cc=None):
+    """None where a GPU path exists on `device`, else why not; cc: the compute capabilities it needs
+    (None: a kernels.cu family, which needs CuPy)."""
+    if device.type != "cuda":
+        return "no CUDA device"
+    have = _capability(device.index or 0)
+    if cc is None:
+        return None if kernels.enabled() else "kernels.cu off (no CuPy, or FP4_KERNELS=torch)"
+    return None if cc(have) else f"not on sm_{have[0]}{have[1]}"
+
+
+_EXACT = "the emulated mm (FP32 GEMM of the dequantized operands), bit for bit on exact probes"
+for _path, _run, _against, _fallback, _avail in (
+        ("mm.emulated", _mm_check("emulated"), "an FP64 product of the dequantized operands", "-", None),
+        ("quantize.reference", _check_reference_quantizer, "SPEC 1-2: E2M1 grid, ties to even, NaN scale", "-",
+         lambda d: None if d.type == "cpu" else "runs on the CPU"),
+        ("mm.bf16", _mm_check("bf16"), _EXACT, "the emulated mm", None),
+        ("mm.fp8", _mm_check("fp8"), _EXACT, "the bf16 mm backend", lambda d: _why_not(d, lambda c: c >= (8, 9))),
+        ("mm.native", _mm_check("native"), _EXACT, "the bf16 mm backend", lambda d: _why_not(d, lambda c: c[0] in (10, 12))),
+        *(("kernel." + f, _check_kernel(f), "the PyTorch reference on the CPU, bit for bit" + (" (SPEC 4's integer SR rule)" if f == "sr" else ""),
+           "the PyTorch reference", _why_not) for f in ("quantize", "sr", "dequantize", "requantize", "fold", "rotate_back"))):
+    selfcheck.register(selfcheck.Check(_path, _run, _against, _fallback, _avail or (lambda d: None), _speed(_path)))
+
+if __name__ == "__main__":  # python -m fp4 check: the checks of the imported modules, not of this copy
+    import attention, fp4, optim, sys  # noqa: E401,F401 (each registers its checks)
+    sys.exit(selfcheck.main(sys.argv[1:]))

@@ -13,6 +13,7 @@ import torch
 import formats
 import fp4
 import cuda_kernels as kernels
+import selfcheck  # the fused kernel's first-use check (below)
 # the Newton-Schulz iteration lives in its own file; these names are optim's API too (DESIGN.md)
 from newton_schulz import (GraphedNS, MUON_COEFFICIENTS, NS_DESIGN, NS_DESIGNS, NS_GRAPH, NS_PRECISIONS,  # noqa: F401
                            ROOT_COEFFICIENTS, newton_schulz, ns_coefficients)
@@ -422,7 +423,8 @@ def _use_kernel(p, st, group):
     if group["fused"] and not ok:
         raise ValueError("fused=True needs FP32 contiguous CUDA parameters and gradients, CuPy, and "
                          f"mean 'block' or 'none'; got {p.dtype} on {p.device}, mean {group['mean']!r}")
-    return ok
+    # the default (None) is self-checked on first use; fused=True runs the kernel as asked
+    return ok and (bool(group["fused"]) or selfcheck.verified("kernel.adamw_nvfp4", p.device))
 
 
 def _kernel_device(p):
@@ -453,6 +455,31 @@ def _adamw_nvfp4_kernel(p, st, group, c, seeds):
         kernels.launch(p.device, name, (-(-n // 256),), (256,), head + (np.int32(pass_), ptr(amax), ptr(g_new)))
     m["tensor_scale"], v["tensor_scale"] = g_new[0], g_new[1]
     m["rounding"], v["rounding"] = rm, rv  # this step's, as the twin's new states say
+
+
+def _check_fused_adamw(device):
+    """The fused kernel (fused=True on `device`) against the PyTorch twin on the CPU, bit for bit:
+    2 steps on a (33, 128) parameter (a tail warp for Hadamard-128), block means, SR, a NaN
+    gradient in step 2; the parameter and every packed state field."""
+    g = torch.Generator().manual_seed(5)
+    init, grads = torch.randn(33, 128, generator=g), torch.randn(2, 33, 128, generator=g) * 1e-2
+    grads[1, 3, 7] = float("nan")
+    runs = []
+    for dev, fused in ((device, True), (torch.device("cpu"), False)):
+        p = torch.nn.Parameter(init.clone().to(dev))
+        opt = AdamW([p], lr=1e-2, state="nvfp4", hadamard=128, mean="block", fused=fused, seed=3)
+        for gr in grads:
+            p.grad = gr.to(dev)
+            opt.step()
+        st = opt.state[p]
+        runs.append({"param": p.detach()} | {f"{k} {f}": st[k][f] for k in ("exp_avg", "exp_avg_sq")
+                                             for f in ("codes", "scales", "tensor_scale")})
+    return [line for name in runs[1] for line in selfcheck.mismatches(runs[0][name].cpu(), runs[1][name], name + " ")]
+
+
+selfcheck.register(selfcheck.Check(
+    "kernel.adamw_nvfp4", _check_fused_adamw, "the PyTorch twin (adamw_nvfp4_reference) on the CPU, bit for bit",
+    "the PyTorch twin", lambda d: None if d.type == "cuda" and fp4.kernels_enabled() else "no CUDA device with kernels.cu"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -287,6 +287,7 @@ def test_loss_decreases(corpus, tmp_path, recipe):
     with open(tmp_path / 'summary.json') as f:
         saved = json.load(f)
     assert saved['val_loss'] == last and saved['recipe'] == recipe
+    assert saved['selfcheck']['fallbacks'] == {}  # the checked paths all passed (CPU: none to check)
     assert saved['tokens_per_s'] > 0 and saved['peak_mem_gib'] > 0
     assert (tmp_path / 'loss.png').stat().st_size > 1000
     log = (tmp_path / 'train.log').read_text()

@@ -35,6 +35,7 @@ import distributed
 import fp4
 import optim
 import runlog
+import selfcheck
 from runlog import log
 from model import (ATTENTIONS, END_BLOCKS, GPT, GPTConfig, RECIPES, RECOMPUTES, SIZES, Graphed, apply_recipe,
                    config_for, fp4_blocks, graphed, shape_problem)
@@ -433,7 +434,7 @@ def finish(history, stats, model_args, model=None, meta=None):
                    optimizer_state_bytes=stats['optimizer_state_bytes'],
                    iters=max_iters, tokens=stats['tokens'], wall_s=stats['wall_s'],
                    device=torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu',
-                   loss_curve=history)
+                   selfcheck=selfcheck.summary(), loss_curve=history)
     runlog.write_summary(out_dir, summary)
     if model is not None and sample_tokens > 0:
         show_sample(model, meta)
@@ -490,6 +491,7 @@ def main(argv=None):
     config = {k: globals()[k] for k in config_keys}
     if rank == 0:
         runlog.header(config, fp4.backends() if recipe not in ('bf16', 'float8') else None)
+        selfcheck.attach(log)  # each accelerated path's first-use check, and any fallback, in the log
     data, meta = load_data(rank == 0)
     epochs = max_iters * batch_size * block_size * gradient_accumulation_steps / len(data['train'])
     if epochs > 1:
