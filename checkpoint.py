@@ -128,7 +128,7 @@ def save_sharded(state, out_dir, keep, prev_step, log=print):
     """save() for FSDP2, on every rank: each writes its shards of the weights and optimizer states
     (DTensors) into the folder ckpt.dcp.tmp with torch.distributed.checkpoint, rank 0 the rest;
     then rank 0 renames it to ckpt.dcp (_install). A failed write on any rank stops every rank
-    and leaves the earlier checkpoints as they were."""
+    and leaves the earlier checkpoints as they were. log: save()'s (nothing to log here)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     path, step, rank0 = path_of(out_dir, sharded=True), state['iter_num'], dist.get_rank() == 0
@@ -331,7 +331,6 @@ def load_optimizer_state(model, optimizer, ckpt, path):
     in the first step. One written by FSDP2 (keyed by name) is loaded by name, each rank keeping
     its rows of every state (whether this run uses FSDP or not); a sharded one (read_for_resume
     left it IN_SHARDS) together with the weights, each rank reading its rows (load_sharded)."""
-    from torch.distributed.checkpoint import CheckpointException
     saved, ours = ckpt.get('optimizer_class'), optimizer_class(optimizer)
     if saved is not None and saved != ours:
         raise SystemExit(f'{path} holds the state of a {saved} optimizer, but this run builds '
@@ -347,8 +346,8 @@ def load_optimizer_state(model, optimizer, ckpt, path):
                                      options=StateDictOptions(full_state_dict=True))
         else:
             optimizer.load_state_dict(ckpt['optimizer'])
-    except (ValueError, KeyError, TypeError, RuntimeError, CheckpointException) as e:
-        raise SystemExit(f"{path}: its optimizer state does not fit this run's {ours} ({_first_line(e)}): "
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise SystemExit(f"{path}: its optimizer state does not fit this run's {ours} ({e}): "
                          f"resume with the optimizer it was trained with, or give a new --out_dir")
 
 
@@ -360,6 +359,9 @@ def load_sharded(model, optimizer, path):
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
     model_state, optimizer_state = state_dicts(model, optimizer, fsdp=True)
     state = dict(model=model_state, optimizer=optimizer_state)
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except dcp.CheckpointException as e:  # a BaseException, one per rank: e.g. a state this run's optimizer lacks
+        raise ValueError(_first_line(e))
     set_model_state_dict(model, state['model'])
     set_optimizer_state_dict(model, getattr(optimizer, 'parts', optimizer), state['optimizer'])

@@ -68,6 +68,8 @@ def parts(optimizer):
 
 def is_sharded(t):
     """Whether t is a DTensor (an FSDP2 parameter, its gradient, or a state placed like them)."""
+    if not dist.is_available():  # a torch build without torch.distributed has no DTensors
+        return False
     from torch.distributed.tensor import DTensor
     return isinstance(t, DTensor)
 

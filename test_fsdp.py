@@ -101,7 +101,10 @@ def whole_matrix_check(rank, world):
         ran.append((i, list(m.shape)))
         return fn(m)
     out = distributed.on_whole_matrices(on_whole, [d.to_local() for d in dts], [distributed.Rows(d) for d in dts])
-    want = [fn(f).chunk(world)[rank] if rank < len(fn(f).chunk(world)) else fn(f)[:0] for f in fulls]
+    def rows_of(m):  # this rank's rows of m as FSDP2 splits dim 0: torch.chunk, none past its chunks
+        chunks = m.chunk(world)
+        return chunks[rank] if rank < len(chunks) else m[:0]
+    want = [rows_of(fn(f)) for f in fulls]
     return dict(ran=ran, want_ran=[(i, list(fulls[i].shape)) for i in range(rank, len(fulls), world)],
                 rows=[list(o.shape) for o in out], want_rows=[list(w.shape) for w in want],
                 max_err=max((o - w).abs().max().item() if o.numel() else 0.0 for o, w in zip(out, want)))
