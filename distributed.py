@@ -7,6 +7,7 @@ finishes the same step, the run checkpoints and exits 0.
 $ torchrun --standalone --nproc_per_node=8 train.py config/quartet_30m.py             # DDP
 $ torchrun --standalone --nproc_per_node=8 train.py config/llama_1b.py --fsdp=True    # FSDP2
 """
+import math
 import os
 import signal
 import threading
@@ -60,32 +61,97 @@ def parts(optimizer):
     """The torch optimizers inside optim.build's result (optim.Optimizers), or the one given."""
     return getattr(optimizer, 'parts', optimizer)
 
-
-def full_state_dicts(model, optimizer, fsdp):
-    """(model, optimizer) state dicts for ckpt.pt. With FSDP2 both are gathered from every rank's
-    shard (a collective: every rank calls this; ranks other than 0 get {}): the model's is a plain
-    state_dict, as without FSDP; the optimizer's is keyed by parameter name (torch.distributed.
-    checkpoint's format, one dict for all of optim.Optimizers' parts), which any world size loads."""
-    if not fsdp:
-        return model.state_dict(), optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
-    whole = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it, on the CPU
-    return (get_model_state_dict(model, options=whole),
-            get_optimizer_state_dict(model, parts(optimizer), options=whole))
+# ---------------------------------------------------------------------------------------------
+# optimizers on FSDP2's shards (optim.py): which rows a rank holds, states placed like them, and
+# whole matrices for the updates a shard alone cannot compute
 
 
-def on_whole_matrix(fn, t):
-    """fn (e.g. Newton-Schulz, SPEC 8.2) applied to the whole matrix of FSDP2's shard t, and this
-    rank's rows of the result, as a DTensor placed like t: every rank all-gathers t, runs fn
-    (redundantly, the same on every rank) and keeps its rows. A plain tensor: fn(t). For an
-    optimizer whose update mixes rows, which a shard alone cannot compute."""
-    from torch.distributed.tensor import DTensor, Replicate
-    if not isinstance(t, DTensor):
-        return fn(t)
-    whole = DTensor.from_local(fn(t.full_tensor()), t.device_mesh, [Replicate()] * t.device_mesh.ndim,
-                               run_check=False)
-    return whole.redistribute(t.device_mesh, t.placements)  # Replicate -> Shard: no communication
+def is_sharded(t):
+    """Whether t is a DTensor (an FSDP2 parameter, its gradient, or a state placed like them)."""
+    if not dist.is_available():  # a torch build without torch.distributed has no DTensors
+        return False
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def local(t):
+    """This rank's part of a DTensor (a view: writing to it writes the DTensor), or t itself."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def shard_of(t):
+    """Rows(t) for an FSDP2 parameter (or its gradient), None for a plain tensor."""
+    return Rows(t) if is_sharded(t) else None
+
+
+def row_counts(n, world):
+    """Rows each rank holds of a dim 0 of n rows: torch.chunk's split, which FSDP2 uses (chunks of
+    ceil(n / world) rows; the last ranks may hold fewer, or none)."""
+    c = -(-n // world)
+    return [max(0, min(c, n - r * c)) for r in range(world)]
+
+
+class Rows:
+    """The rows of a tensor that FSDP2 gives this rank (Shard(0) on a 1-D mesh). shape: the whole
+    tensor's; counts: every rank's row count; start, rows: this rank's first row and count."""
+
+    def __init__(self, t):
+        from torch.distributed.tensor import Shard
+        if t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
+            raise ValueError(f'a sharded optimizer state follows FSDP2\'s Shard(0) on a 1-D device mesh; '
+                             f'this parameter is placed {tuple(t.placements)} on a {t.device_mesh.ndim}-D mesh')
+        self.mesh, self.group = t.device_mesh, t.device_mesh.get_group()
+        self.world, self.rank = t.device_mesh.size(), t.device_mesh.get_local_rank()
+        self.shape = tuple(t.shape)
+        self.counts = row_counts(self.shape[0], self.world)
+        self.start, self.rows = sum(self.counts[:self.rank]), self.counts[self.rank]
+        if t.to_local().shape[0] != self.rows:
+            raise ValueError(f'rank {self.rank} holds {t.to_local().shape[0]} rows of {self.shape}, '
+                             f'not torch.chunk\'s {self.rows}: not an FSDP2 shard')
+
+    def amax(self, a):
+        """a (this shard's amax, 0-d) -> the max over every rank's shard (an all-reduce)."""
+        a = a.clone()
+        dist.all_reduce(a, op=dist.ReduceOp.MAX, group=self.group)
+        return a
+
+    def wrap(self, t):
+        """t (this rank's rows of a state of shape (self.shape[0], ...)) as a DTensor placed like
+        the parameter: what torch.distributed.checkpoint saves, and reshards at another world size."""
+        from torch.distributed.tensor import DTensor, Shard
+        shape = torch.Size((self.shape[0], *t.shape[1:]))
+        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        return DTensor.from_local(t, self.mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+
+
+def on_whole_matrices(fn, shards, rows):
+    """This rank's rows of fn(i, whole matrix i) for every i, where shards[i] is this rank's rows of
+    matrix i and rows[i] its Rows. For an update that mixes rows (Newton-Schulz, SPEC 8.2), which a
+    shard alone cannot compute. The matrices are spread over the ranks, as the published Muon and
+    Dion implementations do: matrix i goes to rank i % world, which gathers it, runs fn once and
+    sends every rank its rows of the result: two all_to_all calls per `world` matrices, each matrix
+    computed on one rank. fn's result is cast to the shards' dtype (they share one)."""
+    out = []
+    for start in range(0, len(shards), rows[0].world if shards else 1):
+        out += _one_each(fn, shards, rows, range(start, min(start + rows[0].world, len(shards))))
+    return out
+
+
+def _one_each(fn, shards, rows, batch):
+    """on_whole_matrices for at most one matrix per rank: batch[r] belongs to rank r."""
+    world, rank, group = rows[0].world, rows[0].rank, rows[0].group
+    mine = batch[rank] if rank < len(batch) else None
+    to_owner = [shards[i].numel() for i in batch] + [0] * (world - len(batch))  # my rows of each
+    cols = math.prod(rows[mine].shape[1:]) if mine is not None else 0
+    from_ranks = [n * cols for n in rows[mine].counts] if mine is not None else [0] * world
+    like = shards[batch[0]]
+    whole = like.new_empty(sum(from_ranks))
+    dist.all_to_all_single(whole, torch.cat([shards[i].reshape(-1) for i in batch]), from_ranks, to_owner,
+                           group=group)
+    result = whole if mine is None else fn(mine, whole.view(rows[mine].shape)).to(like.dtype)
+    back = like.new_empty(sum(to_owner))
+    dist.all_to_all_single(back, result.contiguous().reshape(-1), to_owner, from_ranks, group=group)
+    return [piece.view(shards[i].shape) for i, piece in zip(batch, back.split(to_owner[:len(batch)]))]
 
 # ---------------------------------------------------------------------------------------------
 # preemption: SIGTERM or SIGUSR1, which clusters send before they stop a job, makes the run

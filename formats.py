@@ -158,14 +158,16 @@ def hash_key(seed, hi=0):
     return _lowbias32_py((seed & _M32) + 0x9E3779B9 * (hi + 1))
 
 
-def _hash_words(seed, n, device="cpu"):
-    """lowbias32(lo32(j) ^ key(seed, j >> 32)) for j = 0..n-1, as int32 tensors holding uint32 bits."""
-    out = []
-    for start in range(0, n, 1 << 32):  # one key per 2^32 indices
-        m = min(n - start, 1 << 32)
-        idx = torch.arange(m, dtype=torch.int64, device=device)
+def _hash_words(seed, n, device="cpu", start=0):
+    """lowbias32(lo32(j) ^ key(seed, j >> 32)) for j = start..start+n-1, as int32 tensors holding
+    uint32 bits."""
+    out, j, end = [], start, start + n
+    while j < end:  # one key per 2^32 indices
+        stop = min(end, ((j >> 32) + 1) << 32)
+        idx = torch.arange(j, stop, dtype=torch.int64, device=device) & _M32
         lo = (idx - (idx >= 1 << 31).long() * (1 << 32)).int()  # uint32 bits as int32
-        out.append(_lowbias32_i32(lo ^ _s32(hash_key(seed, start >> 32))))
+        out.append(_lowbias32_i32(lo ^ _s32(hash_key(seed, j >> 32))))
+        j = stop
     return torch.cat(out) if len(out) > 1 else out[0]
 
 
@@ -175,13 +177,16 @@ def uniform(seed, n, device="cpu"):
     return ((_hash_words(seed, n, device) >> 8) & 0xFFFFFF).float() * 2.0**-24
 
 
-def random_bytes(seed, n, device="cpu"):
-    """Stochastic rounding's 8 random bits for the element indices 0..n-1 (SPEC 4): element i takes
-    byte i mod 4 (bits 8(i mod 4) .. 8(i mod 4) + 7) of the word W(seed, i div 4), one hash per four
-    elements, as Blackwell's cvt.rs consumes one 32-bit rbits word per four values. int32 0..255."""
-    words = _hash_words(seed, -(-n // 4), device)  # (n/4,)
+def random_bytes(seed, n, device="cpu", start=0):
+    """Stochastic rounding's 8 random bits for the element indices start..start+n-1 (SPEC 4): element
+    i takes byte i mod 4 (bits 8(i mod 4) .. 8(i mod 4) + 7) of the word W(seed, i div 4), one hash per
+    four elements, as Blackwell's cvt.rs consumes one 32-bit rbits word per four values. int32 0..255.
+    start > 0: the draws of a shard whose first element is element `start` of the whole tensor."""
+    first = start // 4
+    words = _hash_words(seed, -(-(start + n) // 4) - first, device, first)  # the words covering them
     shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int32, device=device)
-    return ((words.unsqueeze(-1) >> shifts) & 0xFF).reshape(-1)[:n]
+    skip = start - 4 * first
+    return ((words.unsqueeze(-1) >> shifts) & 0xFF).reshape(-1)[skip:skip + n]
 
 
 def random_signs(n, seed, device="cpu"):

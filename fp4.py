@@ -62,25 +62,33 @@ def _check_options(fmt, scale_rule, rounding, block2d, k, ndim):
 
 
 def quantize(x, fmt="mxfp4", axis=-1, scale_rule="absmax", rounding="rn", hadamard=0, signs=None,
-             seed=0, block2d=False, fold=False):
+             seed=0, block2d=False, fold=False, amax_reduce=None, index_offset=0):
     """Quantize x along `axis` (the GEMM contraction dim) to a QTensor. If hadamard > 0 the
     blocks are first rotated by H_n (with signs: a random Hadamard). seed drives 'sr'/'eden'.
     fold=True asks the GPU kernels to also emit fold_mx's outputs (QTensor.folded, for the fp8
-    GEMM backend) in the same pass where they can; it never changes codes, scales or mask."""
+    GEMM backend) in the same pass where they can; it never changes codes, scales or mask.
+    amax_reduce, index_offset: x is a shard (whole rows) of a larger tensor, quantized exactly as
+    those rows of the whole tensor would be. amax_reduce maps this shard's finite amax to the whole
+    tensor's (an all-reduce MAX over the shards: NVFP4's tensor scale, SPEC 2); index_offset is the
+    whole tensor's index of x's first element (row0 * K), where its SR draws start (SPEC 4). These
+    run the PyTorch reference, on a GPU too."""
     _check_input(x)
     axis = axis % x.ndim
     xm = x.detach().movedim(axis, -1)
     k = xm.shape[-1]
     signs = _check_quantize(fmt, scale_rule, rounding, hadamard, signs, block2d, xm.shape, x.ndim)
-    if x.is_cuda and _kernel_ok(x.device, "quantize", rounding):
+    _check_shard(fmt, rounding, block2d, amax_reduce, index_offset)
+    if x.is_cuda and amax_reduce is None and not index_offset and _kernel_ok(x.device, "quantize", rounding):
         fold = fold and _kernel_ok(x.device, "fold")
         return kernels.quantize(x, xm, fmt, axis, scale_rule, rounding, hadamard, signs, seed, block2d, fold)
     seed, signs = _host_rng(seed, signs)
     xf = xm.reshape(-1, k).float()  # (R, K)
     if hadamard:
         xf = _fwht(xf, hadamard, signs)
-    quant = _quantize_mx if fmt == "mxfp4" else _quantize_nv
-    codes, scales, tscale, mask = quant(xf, scale_rule, rounding, seed, block2d)
+    if fmt == "mxfp4":
+        codes, scales, tscale, mask = _quantize_mx(xf, scale_rule, rounding, seed, index_offset)
+    else:
+        codes, scales, tscale, mask = _quantize_nv(xf, scale_rule, rounding, seed, block2d, amax_reduce, index_offset)
     lead = xm.shape[:-1]
     mask = None if mask is None else _pack_bits(mask).reshape(*lead, k // 8)
     return QTensor(pack(codes).reshape(*lead, k // 2), scales.reshape(*lead, -1), tscale, fmt,
@@ -101,15 +109,24 @@ def _check_quantize(fmt, scale_rule, rounding, hadamard, signs, block2d, moved_s
     return None
 
 
+def _check_shard(fmt, rounding, block2d, amax_reduce, index_offset):
+    if amax_reduce is not None and (fmt != "nvfp4" or block2d):
+        raise ValueError("amax_reduce is for nvfp4 with 1x16 blocks (a 16x16 tile may straddle shards)")
+    if not isinstance(index_offset, int) or index_offset < 0:
+        raise ValueError(f"index_offset must be an int >= 0, got {index_offset!r}")
+    if index_offset and rounding == "eden":
+        raise ValueError("index_offset is for rounding 'rn' or 'sr' (MS-EDEN draws per block)")
+
+
 def _pack_bits(m):
     w = 1 << torch.arange(8, device=m.device, dtype=torch.uint8)
     return (m.reshape(*m.shape[:-1], -1, 8).to(torch.uint8) * w).sum(-1, dtype=torch.uint8)
 
 
-def _round(v, rounding, seed):
-    """v (R, K) -> codes; SR draws use the element index row * K + k."""
+def _round(v, rounding, seed, index_offset=0):
+    """v (R, K) -> codes; SR draws use the element index index_offset + row * K + k."""
     if rounding == "sr":
-        return e2m1_encode_sr(v, random_bytes(seed, v.numel(), v.device).view(v.shape))
+        return e2m1_encode_sr(v, random_bytes(seed, v.numel(), v.device, index_offset).view(v.shape))
     return e2m1_encode(v)
 
 
@@ -117,7 +134,7 @@ def _blocks(xf, bs):
     return xf.view(xf.shape[0], -1, bs)  # (R, K/bs, bs)
 
 
-def _quantize_mx(xf, scale_rule, rounding, seed, block2d):
+def _quantize_mx(xf, scale_rule, rounding, seed, index_offset=0):
     """MXFP4: scale 2^e per 32-block, e in [-127, 127] stored as E8M0 (SPEC 2-3)."""
     xb = _blocks(xf, 32)
     amax = xb.abs().amax(-1)  # (R, K/32); amax propagates NaN
@@ -130,7 +147,7 @@ def _quantize_mx(xf, scale_rule, rounding, seed, block2d):
     v = (xb / scale.unsqueeze(-1)).view_as(xf)  # exact power-of-two division; NaN in bad blocks
     mask = (v.abs() <= 6) if scale_rule == "quest" else None
     scales = torch.where(bad, E8M0_NAN, e + 127).to(torch.uint8)
-    return _round(v, rounding, seed), scales, None, mask
+    return _round(v, rounding, seed, index_offset), scales, None, mask
 
 
 def _absmax_exponent(amax):
@@ -152,20 +169,23 @@ def _quest_exponent(xb, e_absmax):
     return torch.where(sigma > 0, E - 1, e_absmax)
 
 
-def _tensor_scale(block_amax):
+def _tensor_scale(block_amax, amax_reduce=None):
     """NVFP4 tensor scale g = amax / (6 * 448), amax over the finite blocks (a NaN/Inf block
-    must not poison the others); 1 for an all-zero tensor."""
+    must not poison the others); 1 for an all-zero tensor. amax_reduce: a shard's amax -> the
+    whole tensor's (quantize's docstring)."""
     finite_amax = torch.where(torch.isfinite(block_amax), block_amax, 0).amax()
+    if amax_reduce is not None:
+        finite_amax = amax_reduce(finite_amax)
     g = finite_amax / _full(finite_amax, 6 * E4M3_MAX)
     return torch.where(finite_amax > 0, g, torch.ones_like(g))
 
 
-def _quantize_nv(xf, scale_rule, rounding, seed, block2d):
+def _quantize_nv(xf, scale_rule, rounding, seed, block2d, amax_reduce=None, index_offset=0):
     """NVFP4: E4M3 scale per 16-block (or 16x16 tile), FP32 tensor scale g (SPEC 2-4)."""
     xb = _blocks(xf, 16)
     amax = xb.abs().amax(-1)  # (R, K/16)
     bad = ~torch.isfinite(amax)
-    g = _tensor_scale(amax)
+    g = _tensor_scale(amax, amax_reduce)
     if block2d:  # one amax per 16x16 tile, repeated on the tile's 16 rows
         r, c = amax.shape
         amax = amax.view(r // 16, 16, c).amax(1, keepdim=True).expand(r // 16, 16, c).reshape(r, c)
@@ -178,7 +198,7 @@ def _quantize_nv(xf, scale_rule, rounding, seed, block2d):
     if rounding == "eden":
         s = torch.where(bad, E4M3_NAN, _eden_scales(xb, e2m1_encode(v), s, g, seed))
         return e2m1_encode(v), s, g, None
-    return _round(v, rounding, seed), s, g, None
+    return _round(v, rounding, seed, index_offset), s, g, None
 
 
 def _full(like, value):

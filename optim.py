@@ -10,6 +10,7 @@ import os
 
 import torch
 
+import distributed
 import formats
 import fp4
 import cuda_kernels as kernels
@@ -34,6 +35,12 @@ from newton_schulz import (GraphedNS, MUON_COEFFICIENTS, NS_DESIGN, NS_DESIGNS, 
 # Tensors that stay FP32 (quantizable() is False: fewer than 2 dims, under STATE_MIN_NUMEL
 # elements, last dim not divisible by 16, the Hadamard size or the mean's block) are an FP32
 # tensor instead of a dict.
+# Under FSDP2 (a DTensor parameter, sharded along dim 0) each rank holds the packed state of its
+# rows only, as DTensors placed like the parameter (codes, scales, row or block means; shape is the
+# whole tensor's): blocks run along the last dim, so rows stay whole blocks and a checkpoint
+# reshards them at another world size without requantizing. The tensor scale is taken from the
+# whole tensor's amax (one all-reduce) and SR draws from each element's index in the whole tensor,
+# so a sharded step computes, bit for bit, the rows the unsharded step computes.
 #
 # 'signed' (m):  q = NVFP4(x H);                 x' = dequantize(q) H
 # 'sqrt'   (v):  s = sqrt(v), mu = mean(s),      v' = (clamp(dequantize(q) H + mu, min=0))^2
@@ -62,53 +69,95 @@ def quantizable(shape, hadamard=STATE_HADAMARD, mean="none"):
     return len(shape) >= 2 and math.prod(shape) >= STATE_MIN_NUMEL and shape[-1] % n == 0
 
 
-def quantize_state(x, kind="signed", seed=0, rounding=None, hadamard=STATE_HADAMARD, mean=STATE_MEAN):
+def quantize_state(x, kind="signed", seed=0, rounding=None, hadamard=STATE_HADAMARD, mean=STATE_MEAN,
+                   shard=None):
     """x (FP32 state, any shape) -> the packed state (a dict), or an FP32 copy if x stays FP32.
     kind 'signed': x itself (a first moment); 'sqrt': x is a second moment v >= 0, stored as
     sqrt(v) minus its mean. seed drives stochastic rounding (rounding='sr'): use a fresh one at
     every call (AdamW derives it from the step and the parameter). rounding None: STATE_ROUNDING's
-    choice for the kind."""
+    choice for the kind. shard (distributed.Rows of an FSDP2 parameter): x is this rank's rows of
+    the state, quantized as those rows of the whole one (the comment above); the result is placed
+    like the parameter (DTensors)."""
     if rounding is None and kind in STATE_KINDS:
         rounding = STATE_ROUNDING[kind == "sqrt"]
     _check_state_args(x, kind, rounding, hadamard, mean)
-    if not quantizable(tuple(x.shape), hadamard, mean if kind == "sqrt" else "none"):
-        return x.detach().float().clone()
-    k = x.shape[-1]
+    shape = shard.shape if shard is not None else tuple(x.shape)  # the whole tensor's
+    if not quantizable(shape, hadamard, mean if kind == "sqrt" else "none"):
+        return _placed(x.detach().float().clone(), shard)
+    _check_sharded(shape, mean if kind == "sqrt" else "none", shard)
+    k = shape[-1]
     x2 = x.detach().float().reshape(-1, k)  # (R, K)
-    packed = dict(format="nvfp4", kind=kind, shape=tuple(x.shape), hadamard=hadamard,
+    packed = dict(format="nvfp4", kind=kind, shape=shape, hadamard=hadamard,
                   rounding=rounding, mean_over=mean if kind == "sqrt" else "none")
     if kind == "sqrt":
         x2 = sqrt_rn(x2)
         mu = _state_mean(x2, mean)
         x2 = _sub_mean(x2, mu)
-        packed["mean"] = mu
-    q = fp4.quantize(x2, "nvfp4", rounding=rounding, hadamard=hadamard, seed=seed)
-    packed.update(codes=q.codes, scales=q.scales, tensor_scale=q.tensor_scale)
+        packed["mean"] = _placed(mu, shard if mean in ("block", "row") else None)  # per row: sharded
+    codes, scales, g = _quantize_rows(x2, rounding, hadamard, seed, shard)
+    packed.update(codes=_placed(codes, shard), scales=_placed(scales, shard), tensor_scale=g)
     return packed
 
 
+def _quantize_rows(x2, rounding, hadamard, seed, shard):
+    """(codes, scales, tensor scale) of x2 (R, K) in NVFP4: the whole tensor, or (shard) this rank's
+    rows of it with the whole tensor's amax and SR indices (fp4.quantize's amax_reduce, index_offset)."""
+    if shard is None:
+        q = fp4.quantize(x2, "nvfp4", rounding=rounding, hadamard=hadamard, seed=seed)
+        return q.codes, q.scales, q.tensor_scale
+    k = x2.shape[1]
+    if x2.shape[0] == 0:  # a rank without rows still joins the amax's all-reduce
+        u8 = dict(dtype=torch.uint8, device=x2.device)
+        return torch.zeros(0, k // 2, **u8), torch.zeros(0, k // 16, **u8), fp4._tensor_scale(x2.new_zeros(1), shard.amax)
+    q = fp4.quantize(x2, "nvfp4", rounding=rounding, hadamard=hadamard, seed=seed, amax_reduce=shard.amax,
+                     index_offset=shard.start * k)
+    return q.codes, q.scales, q.tensor_scale
+
+
+def _placed(t, shard):
+    """t (this rank's rows) as a DTensor placed like the sharded parameter, or t itself."""
+    return t if shard is None else shard.wrap(t)
+
+
+def _check_sharded(shape, mean, shard):
+    """A sharded NVFP4 state quantizes whole rows of a 2-D parameter, with row-local means."""
+    if shard is None:
+        return
+    if len(shape) != 2:
+        raise ValueError(f"NVFP4 states of a sharded (FSDP2) parameter need 2 dims, so that its rows "
+                         f"are whole blocks; got shape {shape}: give it FP32 states (state='fp32')")
+    if mean == "tensor":
+        raise ValueError("state mean 'tensor' needs the whole tensor, which no rank of a sharded (FSDP2) "
+                         "parameter holds: use 'row', 'block' or 'none'")
+
+
 def dequantize_state(s):
-    """The packed state -> FP32 tensor of the original shape (an FP32 state: itself)."""
+    """The packed state -> FP32 tensor of the original shape (an FP32 state: itself); sharded:
+    this rank's rows of it."""
     if isinstance(s, torch.Tensor):
-        return s
+        return distributed.local(s)
     shape, n = s["shape"], s["hadamard"]
     k = shape[-1]
-    r = math.prod(shape) // k
-    q = fp4.QTensor(s["codes"], s["scales"], s["tensor_scale"], "nvfp4", (r, k), 1)
+    codes = distributed.local(s["codes"])
+    r = codes.shape[0]  # sharded: this rank's rows
+    if r == 0:
+        return torch.zeros(0, *shape[1:], device=codes.device)
+    q = fp4.QTensor(codes, distributed.local(s["scales"]), s["tensor_scale"], "nvfp4", (r, k), 1)
     x2 = fp4.dequantize(q)  # (R, K), rotated
     if n:
         x2 = fp4.hadamard(x2, n)  # H H = I: back to the state's own basis
     if s["kind"] == "sqrt":
-        x2 = _add_mean(x2, s["mean"]).clamp_(min=0)  # a negative sqrt(v) would divide by eps
+        x2 = _add_mean(x2, distributed.local(s["mean"])).clamp_(min=0)  # a negative sqrt(v) would divide by eps
         x2 = x2 * x2
-    return x2.view(shape)
+    return x2.view(r * k // math.prod(shape[1:]), *shape[1:])
 
 
 def state_nbytes(s):
-    """Bytes a state holds: codes, scales, tensor scale, mean (or the FP32 tensor)."""
+    """Bytes a state holds: codes, scales, tensor scale, mean (or the FP32 tensor); sharded: this
+    rank's."""
     if isinstance(s, torch.Tensor):
-        return s.numel() * s.element_size()
-    return sum(t.numel() * t.element_size() for t in s.values() if isinstance(t, torch.Tensor))
+        s = {"state": s}
+    return sum(distributed.local(t).numel() * t.element_size() for t in s.values() if isinstance(t, torch.Tensor))
 
 
 def sqrt_rn(x):
@@ -140,7 +189,7 @@ def _state_mean(s, mean):
     """Mean of sqrt(v) (R, K): per MEAN_BLOCK elements (R, K/128) as a halving-tree sum, per row
     (R, 1), per tensor (1, 1), or none (a zero (1, 1))."""
     if mean == "block":
-        return fp4._tree_sum(s.view(s.shape[0], -1, MEAN_BLOCK)) * (1.0 / MEAN_BLOCK)
+        return fp4._tree_sum(s.view(s.shape[0], s.shape[1] // MEAN_BLOCK, MEAN_BLOCK)) * (1.0 / MEAN_BLOCK)
     if mean == "row":
         return s.mean(-1, keepdim=True)
     if mean == "tensor":
@@ -150,13 +199,13 @@ def _state_mean(s, mean):
 
 def _sub_mean(s, mu):
     if mu.shape[-1] > 1:  # per block: (R, K/128, 128) - (R, K/128, 1)
-        return (s.view(s.shape[0], -1, MEAN_BLOCK) - mu.unsqueeze(-1)).view(s.shape)
+        return (s.view(s.shape[0], s.shape[1] // MEAN_BLOCK, MEAN_BLOCK) - mu.unsqueeze(-1)).view(s.shape)
     return s - mu
 
 
 def _add_mean(d, mu):
     if mu.shape[-1] > 1:
-        return (d.view(d.shape[0], -1, MEAN_BLOCK) + mu.unsqueeze(-1)).view(d.shape)
+        return (d.view(d.shape[0], d.shape[1] // MEAN_BLOCK, MEAN_BLOCK) + mu.unsqueeze(-1)).view(d.shape)
     return d + mu
 
 
@@ -307,25 +356,28 @@ def _check_grad(p, gi):
 def _init_state(p, st, group):
     st["step"] = torch.tensor(0.0)  # a CPU FP32 tensor, as torch.optim.AdamW keeps it
     if group["state"] == "nvfp4" and quantizable(tuple(p.shape), group["hadamard"], group["mean"]):
-        st["exp_avg"] = zero_state(p.shape, "signed", group, p.device)
-        st["exp_avg_sq"] = zero_state(p.shape, "sqrt", group, p.device)
+        shard = distributed.shard_of(p)
+        _check_sharded(tuple(p.shape), group["mean"], shard)
+        st["exp_avg"] = zero_state(p.shape, "signed", group, p.device, shard)
+        st["exp_avg_sq"] = zero_state(p.shape, "sqrt", group, p.device, shard)
     else:
         st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def zero_state(shape, kind, group, device):
+def zero_state(shape, kind, group, device, shard=None):
     """quantize_state(zeros) without quantizing: zero codes and scales, tensor scale 1 (fp4's
-    rule for an all-zero tensor), zero means."""
+    rule for an all-zero tensor), zero means. shard: this rank's rows, placed like the parameter."""
     k, n, mean = shape[-1], group["hadamard"], group["mean"]
-    r = math.prod(shape) // k
+    r = shard.rows if shard is not None else math.prod(shape) // k
     u8 = dict(dtype=torch.uint8, device=device)
     s = dict(format="nvfp4", kind=kind, shape=tuple(shape), hadamard=n, rounding=_roundings(group)[kind == "sqrt"],
              mean_over=mean if kind == "sqrt" else "none")
     if kind == "sqrt":  # quantize_state's field order too: the mean before the codes
         cols = k // MEAN_BLOCK if mean == "block" else 1
-        s["mean"] = torch.zeros(1 if mean in ("tensor", "none") else r, cols, device=device)
-    s.update(codes=torch.zeros(r, k // 2, **u8), scales=torch.zeros(r, k // 16, **u8),
+        rows = mean in ("block", "row")
+        s["mean"] = _placed(torch.zeros(r if rows else 1, cols, device=device), shard if rows else None)
+    s.update(codes=_placed(torch.zeros(r, k // 2, **u8), shard), scales=_placed(torch.zeros(r, k // 16, **u8), shard),
              tensor_scale=torch.ones((), device=device))
     return s
 
@@ -340,7 +392,8 @@ def _adamw_fp32(p, st, group):
     """torch.optim.AdamW's single-tensor step, op for op."""
     lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     t = st["step"].item()
-    m, v, g = st["exp_avg"], st["exp_avg_sq"], p.grad
+    # FSDP2: this rank's rows (every operation is elementwise)
+    p, m, v, g = (distributed.local(x) for x in (p, st["exp_avg"], st["exp_avg_sq"], p.grad))
     if wd != 0:
         p.mul_(1 - lr * wd)
     m.lerp_(g, 1 - b1)
@@ -379,18 +432,22 @@ def _nvfp4_scalars(group, t):
 def _adamw_nvfp4(p, st, group, seeds):
     t = int(st["step"].item())
     c = _nvfp4_scalars(group, t)
-    if _use_kernel(p, st, group):
+    shard = distributed.shard_of(p)  # FSDP2: this rank's rows, through the reference (the kernel takes whole tensors)
+    if shard is None and _use_kernel(p, st, group):
         return _adamw_nvfp4_kernel(p, st, group, c, seeds)
-    m, v = adamw_nvfp4_reference(p, dequantize_state(st["exp_avg"]), dequantize_state(st["exp_avg_sq"]), c)
+    m, v = adamw_nvfp4_reference(distributed.local(p), dequantize_state(st["exp_avg"]),
+                                 dequantize_state(st["exp_avg_sq"]), c, distributed.local(p.grad))
     rm, rv = _roundings(group)
-    st["exp_avg"] = quantize_state(m, "signed", seeds[0], rounding=rm, hadamard=group["hadamard"])
-    st["exp_avg_sq"] = quantize_state(v, "sqrt", seeds[1], rounding=rv, hadamard=group["hadamard"], mean=group["mean"])
+    st["exp_avg"] = quantize_state(m, "signed", seeds[0], rounding=rm, hadamard=group["hadamard"], shard=shard)
+    st["exp_avg_sq"] = quantize_state(v, "sqrt", seeds[1], rounding=rv, hadamard=group["hadamard"], mean=group["mean"],
+                                      shard=shard)
 
 
-def adamw_nvfp4_reference(p, m, v, c):
+def adamw_nvfp4_reference(p, m, v, c, g=None):
     """One FP32 AdamW step on dequantized states m, v (the fused kernel's twin): updates p in place
-    and returns the new FP32 m, v. Every operation rounds once, in this order."""
-    g = p.grad.float()
+    and returns the new FP32 m, v. Every operation rounds once, in this order. g: the gradient
+    (default p.grad)."""
+    g = (p.grad if g is None else g).float()
     m = m * c["b1"] + g * c["omb1"]
     v = v * c["b2"] + (g * g) * c["omb2"]
     sv = sqrt_rn(v)
@@ -565,33 +622,55 @@ class ROOT(PackedStates, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = _run_closure(closure)
-        index = 0  # the param's position in the optimizer: part of its SR seed
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group, index)
-                index += 1
+        # (param, group, index): index, the param's position in the optimizer, is part of its SR seed
+        todo = [(p, g, i) for i, (p, g) in enumerate((p, g) for g in self.param_groups for p in g["params"])
+                if p.grad is not None]
+        for p, group, index in todo:
+            if not distributed.is_sharded(p):
+                O = self._orthogonalise(self._momentum(p, group, index, None), p.shape, group)
+                self._apply(p, group, O)  # O is used before the next call (GraphedNS)
+        # FSDP2: the momentum on each rank's rows; Newton-Schulz on whole matrices, one per rank at a time
+        sharded = [t for t in todo if distributed.is_sharded(t[0])]
+        world = distributed.Rows(sharded[0][0]).world if sharded else 1
+        for start in range(0, len(sharded), world):
+            chunk = sharded[start:start + world]
+            rows = [distributed.Rows(p) for p, _, _ in chunk]
+            us = [self._momentum(p, group, index, r) for (p, group, index), r in zip(chunk, rows)]
+            Os = distributed.on_whole_matrices(
+                lambda i, u: self._orthogonalise(u, chunk[i][0].shape, chunk[i][1]), us, rows)
+            for (p, group, _), O in zip(chunk, Os):
+                self._apply(p, group, O)
         return loss
 
-    def _update(self, p, group, index):
-        g = p.grad.float()
+    def _momentum(self, p, group, index, shard):
+        """The momentum step on p (shard: this rank's rows of it); returns the update to
+        orthogonalise, u (FP32)."""
+        g = distributed.local(p.grad).float()
         st = self.state[p]
         if not st:
             st["step"] = 0
-            st.update(_momentum_state(torch.zeros_like(g), group["state"], 0))
+            st.update(_momentum_state(torch.zeros_like(g), group["state"], 0, shard))
         st["step"] += 1
         beta = group["momentum"]
         if group["state"] == "fp32":
-            buf = st["momentum_buffer"].lerp_(g, 1 - beta)
+            buf = distributed.local(st["momentum_buffer"]).lerp_(g, 1 - beta)
         else:  # dequantize, update in FP32, re-quantize (SPEC 8.1); this step uses the FP32 value
             buf = _momentum_value(st).lerp_(g, 1 - beta)
-            st.update(_momentum_state(buf, group["state"], st["step"] * 65536 + index))
-        u = g.lerp(buf, beta) if group["nesterov"] else buf
+            st.update(_momentum_state(buf, group["state"], st["step"] * 65536 + index, shard))
+        return g.lerp(buf, beta) if group["nesterov"] else buf
+
+    def _orthogonalise(self, u, shape, group):
+        """Newton-Schulz on the whole matrix u (SPEC 8.2), after ROOT's soft threshold."""
         u = soft_threshold(u, group["soft_threshold"])
-        abc = ns_coefficients(p.shape, group["coefficients"])
-        O = self._ns(u, group["ns_steps"], abc, group["ns"], group["ns_design"])  # used before the next call
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(O.to(p.dtype), alpha=-group["lr"] * update_scale(p.shape, group["scale"]))
+        abc = ns_coefficients(shape, group["coefficients"])
+        return self._ns(u, group["ns_steps"], abc, group["ns"], group["ns_design"])
+
+    @staticmethod
+    def _apply(p, group, O):
+        """W = W (1 - lr wd) - lr scale O, on p's rows (O: those rows of the orthogonalised update)."""
+        w = distributed.local(p)
+        w.mul_(1 - group["lr"] * group["weight_decay"])
+        w.add_(O.to(w.dtype), alpha=-group["lr"] * update_scale(p.shape, group["scale"]))
 
 
 # ROOT's momentum state. One NVFP4 term (SPEC 8.1's signed m, SR) is too coarse for an
@@ -609,19 +688,21 @@ class ROOT(PackedStates, torch.optim.Optimizer):
 ROOT_STATES = ("fp32", "bf16", "nvfp4", "nvfp4x2")
 
 
-def _momentum_state(buf, state, seed):
+def _momentum_state(buf, state, seed, shard=None):
     """ROOT's momentum entries for buf (FP32): {'momentum_buffer': ...} (FP32, BF16 or packed) and,
-    for 'nvfp4x2', the second term 'momentum_residual' = Q(buf - Q(buf)), both packed dicts."""
+    for 'nvfp4x2', the second term 'momentum_residual' = Q(buf - Q(buf)), both packed dicts.
+    shard: buf is this rank's rows; the entries are placed like the parameter."""
     if state == "fp32":
-        return {"momentum_buffer": buf}
+        return {"momentum_buffer": _placed(buf, shard)}
     if state == "bf16":  # round to nearest even, 2 B/param
-        return {"momentum_buffer": buf.bfloat16()}
+        return {"momentum_buffer": _placed(buf.bfloat16(), shard)}
     if state == "nvfp4":
-        return {"momentum_buffer": quantize_state(buf, "signed", seed=seed)}
-    hi = quantize_state(buf, "signed", rounding="rn")
+        return {"momentum_buffer": quantize_state(buf, "signed", seed=seed, shard=shard)}
+    hi = quantize_state(buf, "signed", rounding="rn", shard=shard)
     if not is_packed(hi):  # a tensor quantizable() keeps in FP32: exact, no second term
         return {"momentum_buffer": hi}
-    return {"momentum_buffer": hi, "momentum_residual": quantize_state(buf - dequantize_state(hi), "signed", rounding="rn")}
+    low = quantize_state(buf - dequantize_state(hi), "signed", rounding="rn", shard=shard)
+    return {"momentum_buffer": hi, "momentum_residual": low}
 
 
 def _momentum_value(st):

@@ -38,7 +38,7 @@ from model import GPT, GPTConfig, apply_recipe
 # -----------------------------------------------------------------------------
 # config: every global here can be overridden with --key=value (and config files)
 out_dir = 'out'
-ckpt_path = ''            # default: out_dir/ckpt.pt
+ckpt_path = ''            # default: out_dir/ckpt.pt (ckpt.dcp after an FSDP2 run)
 start = 'def '            # the prompt, or FILE:path to read it from a file
 num_samples = 3
 max_new_tokens = 200
@@ -119,7 +119,7 @@ def generate_text(model, meta, prompt, num_samples, max_new_tokens, temperature=
 def main(argv=None):
     globals().update(DEFAULTS)  # fresh defaults each call
     globals().update(configurator.configure(DEFAULTS, sys.argv[1:] if argv is None else argv))
-    path = ckpt_path or os.path.join(out_dir, 'ckpt.pt')
+    path = ckpt_path or checkpoint.newest(out_dir)  # ckpt.pt, or FSDP2's ckpt.dcp
     model, ckpt = load_model(path, device)
     prompt = start
     if prompt.startswith('FILE:'):

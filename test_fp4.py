@@ -203,6 +203,52 @@ def test_random_bytes_layout():
         assert fp4.random_bytes(seed, 70).tolist() == want
 
 
+def test_random_bytes_from_an_offset():
+    """A shard's draws (start > 0) are the whole tensor's draws from that index on."""
+    for seed in (0, 11, 2**32 + 3):
+        whole = fp4.random_bytes(seed, 70)
+        for start in (1, 2, 3, 4, 5, 33, 69):
+            assert torch.equal(fp4.random_bytes(seed, 70 - start, start=start), whole[start:]), (seed, start)
+
+
+def _assert_shards_quantize_as_whole(x, world, **kw):
+    """x's rows cut as FSDP2 cuts dim 0 (torch.chunk) and quantized shard by shard with
+    amax_reduce (the max over the shards' amaxes: an all-reduce MAX, collected in a first pass)
+    and index_offset: codes, scales and tensor scale are the whole tensor's rows, bit for bit."""
+    rows, k = x.shape
+    whole = fp4.quantize(x, "nvfp4", **kw)
+    c = -(-rows // world)
+    cuts = [(r * c, min((r + 1) * c, rows)) for r in range(world) if r * c < rows]
+    seen = []
+    for a, b in cuts:
+        fp4.quantize(x[a:b], "nvfp4", amax_reduce=lambda v: seen.append(v) or v, **kw)
+    amax = torch.stack(seen).amax()
+    for a, b in cuts:
+        q = fp4.quantize(x[a:b], "nvfp4", amax_reduce=lambda v: amax, index_offset=a * k, **kw)
+        assert torch.equal(q.codes, whole.codes[a:b]), (a, b, first_mismatches(q.codes, whole.codes[a:b]))
+        assert torch.equal(q.scales, whole.scales[a:b]), (a, b, first_mismatches(q.scales, whole.scales[a:b]))
+        assert q.tensor_scale.view(torch.int32) == whole.tensor_scale.view(torch.int32), (q.tensor_scale, whole.tensor_scale)
+
+
+def test_shards_quantize_as_the_whole_tensor():
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(1))
+    x[5] *= 1000  # the last shard holds the amax: the others need the all-reduce
+    _assert_shards_quantize_as_whole(x, 2, rounding="sr", seed=5)  # rank 1's draws start at row 3
+    _assert_shards_quantize_as_whole(x, 4, rounding="rn", hadamard=16)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 9), blocks=st.integers(1, 3), world=st.integers(1, 4), mag=st.sampled_from([1e-30, 1e-8, 1.0, 1e20]),
+       special=st.sampled_from([None, 0.0, float("nan"), float("inf")]), rounding=st.sampled_from(["rn", "sr"]),
+       hadamard=st.sampled_from([0, 16]), seed=st.integers(0, 2**31))
+def test_property_shards_quantize_as_the_whole_tensor(rows, blocks, world, mag, special, rounding, hadamard, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 16 * blocks, generator=g) * mag * torch.rand(rows, 1, generator=g)
+    if special is not None:
+        x[seed % rows, seed % x.shape[1]] = special
+    _assert_shards_quantize_as_whole(x, world, rounding=rounding, hadamard=hadamard, seed=seed)
+
+
 def test_sr_rule_exact_for_every_byte():
     # every E2M1 interval, its ends, and fractions finer than 1/256 of a step (the rule's bias)
     mags = [0.0, 0.1, 0.25, 0.5, 0.7, 1.25, 1.999, 2.0, 2.001, 2.5, 3.3, 3.99, 4.0, 4.7, 5.0, 5.999,

@@ -308,11 +308,13 @@ def adopt_checkpoint_config(ckpt, path):
         globals()[key] = theirs
     check_config()  # again, with the checkpoint's values
 
-def check_resume_fsdp(ckpt):
-    """An optimizer state written without FSDP (keyed by position) cannot be sharded."""
+def check_resume_fsdp(ckpt, path):
+    """Without FSDP an optimizer state is keyed by position (no sharding it); a sharded checkpoint is FSDP2's."""
     if fsdp and not ckpt['config'].get('fsdp', False):
-        raise configurator.ConfigError(f'{out_dir}/ckpt.pt was written with fsdp=False: '
-                                       'resume it with --fsdp=False')
+        raise configurator.ConfigError(f'{path} was written with fsdp=False: resume it with --fsdp=False')
+    if not fsdp and checkpoint.is_sharded(path):
+        raise configurator.ConfigError(f'{path} is sharded: resume it with --fsdp=True under torchrun (any number of '
+                                       f'processes, 1 too), or make one file of it: {checkpoint.to_one_file(path)}')
 
 # -----------------------------------------------------------------------------
 # one optimizer step
@@ -375,9 +377,6 @@ def setup(argv):
     if fsdp and not dist.is_initialized():
         raise configurator.ConfigError('fsdp=True needs torchrun (a process group), e.g. '
                                        'torchrun --standalone --nproc_per_node=2 train.py --fsdp=True')
-    if fsdp and optimizer in ('adamw_fp4', 'root_fp4'):  # their FP4 code takes plain tensors
-        raise configurator.ConfigError(f'fsdp=True does not run optimizer={optimizer!r} yet: its NVFP4 '
-                                       'states/Newton-Schulz need the wiring of docs/distributed.md')
     # FSDP2 casts the weights itself (MixedPrecisionPolicy, see shard_model): no autocast
     ctx = (nullcontext() if dtype == 'float32' or fsdp else  # a graph capture needs autocast's cache off
            torch.autocast(device_type=device.split(':')[0], dtype=torch.bfloat16, cache_enabled=not cuda_graph))
@@ -405,7 +404,7 @@ def init_run(rank, data_meta):
                                        attention=attention, loss_chunk=loss_chunk, recompute=recompute))
     model = build_model(model_args)
     if ckpt:
-        check_resume_fsdp(ckpt)
+        check_resume_fsdp(ckpt, path)
         checkpoint.load_model_state(model, ckpt, path)  # the whole model, on every rank, before sharding
     if fsdp:
         distributed.shard_model(model, device, dtype)  # moves each rank's shard to the device: no whole copy stays there
@@ -417,7 +416,7 @@ def init_run(rank, data_meta):
     if ckpt:
         checkpoint.load_optimizer_state(model, opt, ckpt, path)
         iter_num, history = ckpt['iter_num'], ckpt['history']
-        if os.path.abspath(path) == os.path.abspath(checkpoint.path_of(out_dir)):
+        if os.path.abspath(path) == os.path.abspath(checkpoint.newest(out_dir)):
             _resumed_step = iter_num  # kept as ckpt.<step>.pt when the next one replaces it
         rngs = ckpt['rng']
         checkpoint.set_rng_states(rngs[rank] if rank < len(rngs) else rngs[0], device.startswith('cuda'))
@@ -439,7 +438,7 @@ def finish(history, stats, model_args, model=None, meta=None):
     if model is not None and sample_tokens > 0:
         show_sample(model, meta)
     log(f"loss plot: {os.path.join(out_dir, 'loss.png')}, summary: "
-        f"{os.path.join(out_dir, 'summary.json')}, checkpoint: {checkpoint.path_of(out_dir)}")
+        f"{os.path.join(out_dir, 'summary.json')}, checkpoint: {checkpoint.newest(out_dir)}")
     return summary
 
 def show_sample(model, meta):
@@ -461,27 +460,28 @@ def eval_and_checkpoint(model, raw_model, optimizer, data, ctx, run):
     log(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
     if not (math.isfinite(losses['train']) and math.isfinite(losses['val'])):
         raise SystemExit(f"non-finite eval loss at step {it} (train {losses['train']}, val {losses['val']}): "
-                         f"stopped without saving; {checkpoint.path_of(out_dir)} is the last good state")
+                         f"stopped without saving; {checkpoint.newest(out_dir)} is the last good state")
     if not always_save_checkpoint or it == run['start_iter']:
         return  # nothing new to save
     write_checkpoint(raw_model, optimizer, run)
 
 def write_checkpoint(raw_model, optimizer, run):
-    """Gather every rank's RNG states; rank 0 saves model, optimizer, RNGs and data position."""
+    """Gather every rank's RNG states; save model, optimizer, RNGs and data position: rank 0 one
+    file, or with FSDP2 every rank its shards (checkpoint.save_sharded)."""
     rank, world, it = run['rank'], run['world'], run['iter_num']
     mine = checkpoint.rng_states(device.startswith('cuda'))
     rngs = [mine] if world == 1 else [None] * world  # every rank's RNG, so each resumes its own stream
     if world > 1:
         dist.all_gather_object(rngs, mine)
-    model_state, optimizer_state = distributed.full_state_dicts(raw_model, optimizer, fsdp)  # every rank: FSDP2 gathers
+    model_state, optimizer_state = checkpoint.state_dicts(raw_model, optimizer, fsdp)  # FSDP2: this rank's shards
+    # data position = the step: get_batch is a pure function of (seed, step)
+    state = dict(model=model_state, optimizer=optimizer_state, model_args=run['model_args'], recipe=recipe,
+                 iter_num=it, config=run['config'], rng=rngs, history=run['history'],
+                 data=dict(sampler='seed+step', seed=seed, step=it),
+                 optimizer_class=checkpoint.optimizer_class(optimizer), meta=run['meta'])
+    if fsdp or rank == 0:  # FSDP2: every rank writes its shards
+        (checkpoint.save_sharded if fsdp else checkpoint.save)(state, out_dir, keep_checkpoints, run['saved_step'], log)
     if rank == 0:
-        # data position = the step: get_batch is a pure function of (seed, step)
-        checkpoint.save(dict(model=model_state, optimizer=optimizer_state,
-                             model_args=run['model_args'], recipe=recipe, iter_num=it,
-                             config=run['config'], rng=rngs, history=run['history'],
-                             data=dict(sampler='seed+step', seed=seed, step=it),
-                             optimizer_class=checkpoint.optimizer_class(optimizer), meta=run['meta']),
-                        out_dir, keep_checkpoints, run['saved_step'], log)
         checkpoint.prune(out_dir, it, keep_checkpoints, earlier_run=run['saved_step'] is None and not run['resumed'])
     run['saved_step'] = it
 
@@ -564,7 +564,7 @@ def main(argv=None):
             if distributed.stop_requested(device):
                 write_checkpoint(raw_model, optimizer, run)  # the step just taken; every rank joins in
                 log(f'{distributed.stop_signal_name()}: stopped after step {iter_num - 1}, checkpoint '
-                    f'{checkpoint.path_of(out_dir)}; continue with --resume=True')
+                    f'{checkpoint.newest(out_dir)}; continue with --resume=True')
                 return None
     finally:
         for sig, handler in previous_handlers.items():
