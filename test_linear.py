@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import fp4
+import lora
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -281,7 +282,7 @@ def test_randomized_svd_within_halko_bounds(alpha, q):
     sigma = torch.linalg.svdvals(a.double())
     spec, frob = [], []
     for seed in range(8):
-        qm = fp4._range_finder(a, k + p, q, seed)
+        qm = lora._range_finder(a, k + p, q, seed)
         resid = (a - qm @ (qm.t() @ a)).double()
         spec.append(float(torch.linalg.matrix_norm(resid, 2)))
         frob.append(float(resid.norm()))
