@@ -141,12 +141,25 @@ def _absmax_exponent(amax):
 def _quest_exponent(xb, e_absmax):
     """QuEST: 2^floor(log2(0.487079 * sigma)) per block, sigma the block's standard deviation
     (mean(x^2) - mean(x)^2, halving-tree sums). floor(log2 y) = E - 1 with frexp(y) = (m, E).
-    A constant block (sigma 0) falls back to the absmax exponent."""
-    mean = _tree_sum(xb) * (1 / 32)
-    mean2 = _tree_sum(xb * xb) * (1 / 32)
+    A constant block (sigma 0) falls back to the absmax exponent. The sums run on the block in
+    units of 2^e_absmax (_unit_scale), and the exponent is shifted back (SPEC 3)."""
+    es = e_absmax.clamp(-126, 126)
+    xs = xb * _unit_scale(es).unsqueeze(-1)  # |xs| <= 6
+    mean = _tree_sum(xs) * (1 / 32)
+    mean2 = _tree_sum(xs * xs) * (1 / 32)
     sigma = torch.sqrt((mean2 - mean * mean).clamp(min=0))
     _, E = torch.frexp(sigma * QUEST_SCALE)
-    return torch.where(sigma > 0, E - 1, e_absmax)
+    return torch.where(sigma > 0, E - 1 + es, e_absmax)
+
+
+def _unit_scale(e):
+    """2^-e (e clamped to [-126, 126]: a normal FP32) for the sums of squares of QuEST's sigma,
+    four_over_six's error and MS-EDEN's correction. Their results are scale-free, but FP32 squares
+    overflow above 2^64 (sigma = Inf, all errors Inf: silently the wrong scale) and lose bits below
+    2^-63. Multiplying by 2^-e (exact) first brings the block to about 1; where the unscaled
+    squares stay normal, every sum is the unscaled one times 2^-2e: the same bits after."""
+    e = e.clamp(-126, 126)
+    return torch.ldexp(torch.ones(e.shape, dtype=torch.float32, device=e.device), -e)
 
 
 def _tensor_scale(block_amax):
@@ -198,12 +211,14 @@ def _nv_dequant_blocks(codes_b, s, g):
 
 def _four_over_six(xb, amax, s6, g):
     """Quartet II / four-over-six: per 16-block keep the scale mapping amax to 6 or to 4,
-    whichever gives the smaller squared error (halving-tree sums; a tie keeps 6)."""
+    whichever gives the smaller squared error (halving-tree sums of the errors in units of the
+    block's 2^e_absmax, _unit_scale; a tie keeps 6)."""
     s4 = e4m3_encode(amax / 4 / g)
+    unit = _unit_scale(_absmax_exponent(amax)).unsqueeze(-1)
     errs = []
     for s in (s6, s4):
         q = e2m1_encode(_nv_divide(xb, s, g))
-        d = xb - _nv_dequant_blocks(q, s, g)
+        d = (xb - _nv_dequant_blocks(q, s, g)) * unit
         errs.append(_tree_sum(d * d))
     return torch.where(errs[1] < errs[0], s4, s6)
 
@@ -211,10 +226,12 @@ def _four_over_six(xb, amax, s6, g):
 def _eden_scales(xb, codes, s, g, seed):
     """MS-EDEN (SPEC 4): per 128-group the correction c = sum(x^2) / sum(x q) of the RN values q,
     folded into the group's E4M3 block scales with stochastic rounding. Draws: uniform(seed,
-    block index), block index = row * (K/16) + block."""
+    block index), block index = row * (K/16) + block. The sums take x and q in units of g's
+    power of two 2^E (_unit_scale; |x| <= 2688 g < 2^(E + 13)): c is scale-free, the sums not."""
     r, nb, _ = xb.shape
-    q = _nv_dequant_blocks(codes.view_as(xb), s, g)
-    xg, qg = xb.reshape(r, -1, EDEN_GROUP), q.reshape(r, -1, EDEN_GROUP)
+    unit = _unit_scale(torch.frexp(g)[1] - 1)  # 2^-floor(log2 g)
+    q = _nv_dequant_blocks(codes.view_as(xb), s, g * unit)  # (code * s) * (g 2^-E): q 2^-E exactly
+    xg, qg = (xb * unit).reshape(r, -1, EDEN_GROUP), q.reshape(r, -1, EDEN_GROUP)
     num, den = _tree_sum(xg * xg), _tree_sum(xg * qg)  # (R, K/128)
     c = num / den
     c = torch.where(torch.isfinite(c) & (den > 0), c, torch.ones_like(c))  # zero or non-finite group
