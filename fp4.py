@@ -408,21 +408,31 @@ def _dequantize_lead(q, dtype=torch.float32):
 
 
 def _mm_bf16(a, b, out_dtype):
-    """Exact operands in BF16: MXFP4 values code * 2^e, NVFP4 values code * s (<= 6 significant
-    bits; the tensor scales g multiply the FP32-accumulated product instead)."""
+    """Exact operands in BF16: MXFP4 values code * 2^e, NVFP4 values code * s * 2^k (<= 6
+    significant bits), the rest of the tensor scales multiplying the FP32-accumulated product."""
     if a.fmt == "mxfp4":
         a1, b1 = _dequantize_lead(a, torch.bfloat16), _dequantize_lead(b, torch.bfloat16)
         return _mm_f32(a1, b1).to(out_dtype)
-    one = torch.ones((), device=a.codes.device)
-    a1 = _dequantize_lead(QTensor(a.codes, a.scales, one, a.fmt, a.shape, a.axis), torch.bfloat16)
-    b1 = _dequantize_lead(QTensor(b.codes, b.scales, one, b.fmt, b.shape, b.axis), torch.bfloat16)
-    out = _mm_f32(a1, b1)  # (M, N) FP32
-    g = a.tensor_scale * b.tensor_scale
+    # g = m 2^E with m in [1, 2). The operands take 2^k, k = E clamped to [-116, 116] (code * s in
+    # [2^-10, 2688] times 2^k stays a normal BF16), the output m_a m_b 2^(E_a - k_a + E_b - k_b),
+    # in [2^-66, 4). One FP32 product g_a g_b here underflowed to 0 where the tensor amaxes multiply
+    # below ~1e-38 (the whole output silently 0) and overflowed above ~1e45 (0 * Inf = NaN); in
+    # FP32's normal range both give the same bits (one rounding of the same product).
+    (ma, ea), (mb, eb) = torch.frexp(a.tensor_scale), torch.frexp(b.tensor_scale)  # m in [0.5, 1)
+    ka, kb = (ea - 1).clamp(-116, 116), (eb - 1).clamp(-116, 116)
+    out = _mm_f32(_nv_bf16(a, ka), _nv_bf16(b, kb))  # (M, N) FP32
+    g = torch.ldexp((ma * 2) * (mb * 2), ea - 1 - ka + eb - 1 - kb)
     if out_dtype == torch.float32:
         return out.mul_(g)
     # the FP32 product rounded to out_dtype as it is stored: one pass over the FP32 output instead
     # of two (mul_, then .to), the same bits (an FP32 multiply, then one rounding either way)
     return torch.mul(out, g, out=torch.empty(out.shape, dtype=out_dtype, device=out.device))
+
+
+def _nv_bf16(q, k):
+    """code * s * 2^k of an NVFP4 QTensor in BF16, quantized axis last (exact for k in [-116, 116])."""
+    pow2 = torch.ldexp(torch.ones_like(q.tensor_scale), k)
+    return _dequantize_lead(QTensor(q.codes, q.scales, pow2, q.fmt, q.shape, q.axis), torch.bfloat16)
 
 
 def _mm_f32(a1, b1):
