@@ -185,7 +185,7 @@ def attention_inputs(draw):
     return make(hkv * group), make(hkv), make(hkv)
 
 
-@fuzz(25)
+@fuzz(60)
 @given(attention_inputs(), st.booleans())
 def test_forward_is_exact_attention_on_dequantized_operands_within_bound(qkv_, causal):
     """O of the NVFP4 reference against float64 attention on dequantize(Q), dequantize(K),
@@ -216,7 +216,7 @@ def test_forward_is_exact_attention_on_dequantized_operands_within_bound(qkv_, c
     assert bool((err <= tol).all()), first_mismatches(o, want, "bound")
 
 
-@fuzz(25)
+@fuzz(50)
 @given(st.sampled_from(["q", "k", "v"]), st.integers(0, 39), st.integers(0, 15),
        st.sampled_from([float("nan"), float("inf"), -float("inf")]), st.booleans(), st.integers(0, 2**16))
 def test_nonfinite_input_gives_nan_rows_exactly_where_it_reaches(which, row, col, val, causal, seed):
@@ -243,7 +243,7 @@ def test_nonfinite_input_gives_nan_rows_exactly_where_it_reaches(which, row, col
     assert torch.equal(nan_rows, want) and bool(torch.isfinite(o[~want]).all())
 
 
-@fuzz(20)
+@fuzz(50)
 @given(st.integers(0, 2**16), st.integers(-40, 40), st.sampled_from(["rn", "sr"]), st.booleans())
 def test_ds_quantizer_is_its_spec(seed, e, rounding, special):
     """quantize_ds on any dS (tiles at their own binades, zero tiles, NaN/Inf) against the module

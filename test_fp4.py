@@ -497,7 +497,8 @@ def quest_exponents(xb, amax):
     variance lies within 2^-19 mean(x^2) of the float64 one. A variance that may round to 0 also
     allows absmax's exponent (the rule's fallback), and any exponent up to hi."""
     x = xb.astype(np.float64)
-    var, slack = x.var(-1), 2.0**-19 * (x * x).mean(-1)
+    with np.errstate(all="ignore"):  # NaN/Inf blocks: their exponent is not checked
+        var, slack = x.var(-1), 2.0**-19 * (x * x).mean(-1)
     def floor_log2(v):
         y = np.sqrt(np.maximum(v, 0)) * 0.487079
         return np.where(y > 0, np.frexp(np.where(y > 0, y, 1))[1] - 1, -1000)
@@ -635,7 +636,7 @@ def check_quantized(x, q, cfg, seed=0):
         check_nv(X, q, cfg["scale_rule"], cfg["rounding"], seed, cfg.get("block2d", False))
 
 
-@fuzz(40)
+@fuzz(250)
 @given(st.sampled_from(QUANT_CONFIGS), st.booleans(), st.integers(0, 2**32 - 1), st.data())
 def test_quantize_is_spec(cfg, first_axis, seed, data):
     """quantize, every format x scale rule x rounding, any axis, on any input (tensors()): the scale
@@ -646,7 +647,7 @@ def test_quantize_is_spec(cfg, first_axis, seed, data):
     check_quantized(x, q, cfg, seed)
 
 
-@fuzz(15)
+@fuzz(80)
 @given(st.sampled_from(["rn", "sr"]), st.booleans(), tensors(multiple=16, rows=(1, 2), row_multiple=16))
 def test_quantize_block2d_is_spec(rounding, first_axis, x):
     """NVFP4 with 16x16 tiles: one scale per tile from the tile's amax, repeated on its rows."""
@@ -655,7 +656,7 @@ def test_quantize_block2d_is_spec(rounding, first_axis, x):
     check_quantized(x, q, cfg)
 
 
-@fuzz(30)
+@fuzz(150)
 @given(st.sampled_from(QUANT_CONFIGS), st.integers(0, 2**32 - 1), st.data())
 def test_quantize_commutes_with_powers_of_two(cfg, seed, data):
     """Scaling x by 2^k scales the quantized tensor by 2^k and changes nothing else: the same codes,
@@ -667,7 +668,8 @@ def test_quantize_commutes_with_powers_of_two(cfg, seed, data):
     mags = x.abs()[torch.isfinite(x) & (x != 0)].double().log2()
     lo, hi = (-100 - float(mags.min()), 100 - float(mags.max())) if mags.numel() else (-100, 100)
     k = data.draw(st.integers(math.ceil(lo), math.floor(hi)) if lo <= hi else st.just(0))
-    a, b = fp4.quantize(x, seed=seed, **cfg), fp4.quantize(x * 2.0**k, seed=seed, **cfg)
+    scaled = x * 2.0 ** (k // 2) * 2.0 ** (k - k // 2)  # exact; 2^k itself may be beyond FP32 (k up to 200)
+    a, b = fp4.quantize(x, seed=seed, **cfg), fp4.quantize(scaled, seed=seed, **cfg)
     assert_same(b.codes, a.codes)
     if cfg["fmt"] == "mxfp4":
         zero = x.view(x.shape[0], -1, 32).abs().amax(-1) == 0  # zero blocks keep 2^-127
@@ -676,10 +678,10 @@ def test_quantize_commutes_with_powers_of_two(cfg, seed, data):
         assert a.mask is None or torch.equal(a.mask, b.mask)
     else:
         assert_same(b.scales, a.scales)
-        assert float(b.tensor_scale) == float(a.tensor_scale) * 2.0**k or float(a.tensor_scale) == 1.0
+        assert float(b.tensor_scale) == float(a.tensor_scale) * 2.0**k or float(a.tensor_scale) == 1.0, k
 
 
-@fuzz(25)
+@fuzz(120)
 @given(st.sampled_from(QUANT_CONFIGS), st.sampled_from(fp4.HADAMARD_SIZES), st.booleans(),
        st.integers(0, 2**32 - 1), st.data())
 def test_rotated_quantize_is_rotate_then_quantize(cfg, n, signed, seed, data):
@@ -696,7 +698,7 @@ def test_rotated_quantize_is_rotate_then_quantize(cfg, n, signed, seed, data):
         assert (g is None and w is None) or (torch.equal(g, w) or bool((torch.isnan(g) & torch.isnan(w)).all())), name
 
 
-@fuzz(15)
+@fuzz(40)
 @given(st.sampled_from(["mxfp4", "nvfp4"]), tensors(multiple=32, rows=(1, 2), specials=False, dtypes=(torch.float32,)))
 def test_sr_is_unbiased_over_seeds(fmt, x):
     """Stochastic rounding over S = 64 seeds averages to SPEC 4's expectation lo + step floor(256 f)
@@ -734,7 +736,7 @@ def _divided(x, q):
 
 # --- the backward's re-quantization and the Hopper fold (SPEC 5, 7) under hypothesis -----------------
 
-@fuzz(30)
+@fuzz(120)
 @given(st.sampled_from(QUANT_CONFIGS[:8]), st.sampled_from(QUANT_CONFIGS), st.sampled_from([0, 16, 32, 128]),
        st.integers(0, 2**32 - 1), st.data())
 def test_requantize_is_spec_on_the_dequantized_transpose(cfg_in, cfg_out, n, seed, data):
@@ -757,7 +759,7 @@ def test_requantize_is_spec_on_the_dequantized_transpose(cfg_in, cfg_out, n, see
         check_quantized(dt, want, cfg_out, seed + 1)
 
 
-@fuzz(20)
+@fuzz(100)
 @given(tensors(multiple=32))
 def test_mxfp4_absmax_rn_is_a_projection(x):
     """Quantizing MXFP4 values again (absmax, RN, same blocks) gives them back: every value is code
@@ -785,7 +787,7 @@ def _fold_want(q):
     return elems, np.where(nan.any(-1), np.nan, np.ldexp(1.0, e_row)), exact.reshape(r, k), e - e_row[:, None]
 
 
-@fuzz(30)
+@fuzz(150)
 @given(st.sampled_from(["absmax", "quest"]), tensors(multiple=32, kinds=("gauss", "wide", "spike", "zeros", "ties")))
 def test_fold_mx_is_spec(rule, x):
     """fold_mx: row scales and E4M3 elements as SPEC 7 defines them; exact (elements x row scale ==
