@@ -4,8 +4,19 @@ in-process must not change the FP32 numerics of the tests after it (on a GPU, a 
 from an exact one by ~1e-3). The flags are set before each test, not only restored after it: a
 module-scoped fixture that trains runs before the first test's function-scoped fixtures (so
 a GPU test once ran its FP32 comparison in TF32 that way)."""
+import os
+
 import pytest
 import torch
+from hypothesis import settings
+
+# Hypothesis in CI: the same examples on every run (derandomize), no per-example deadline (a
+# shared 2-core runner times tensors unevenly), and a failure prints the blob that replays it
+# (@reproduce_failure). HYPOTHESIS_PROFILE=fuzz draws fresh examples instead, for a deeper local
+# search; FP4_FUZZ_SCALE multiplies every numerics test's example count (test_formats.fuzz).
+settings.register_profile("ci", deadline=None, derandomize=True, print_blob=True)
+settings.register_profile("fuzz", deadline=None, derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 SESSION_FLAGS = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
 

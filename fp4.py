@@ -163,12 +163,25 @@ def _absmax_exponent(amax):
 def _quest_exponent(xb, e_absmax):
     """QuEST: 2^floor(log2(0.487079 * sigma)) per block, sigma the block's standard deviation
     (mean(x^2) - mean(x)^2, halving-tree sums). floor(log2 y) = E - 1 with frexp(y) = (m, E).
-    A constant block (sigma 0) falls back to the absmax exponent."""
-    mean = _tree_sum(xb) * (1 / 32)
-    mean2 = _tree_sum(xb * xb) * (1 / 32)
+    A constant block (sigma 0) falls back to the absmax exponent. The sums run on the block in
+    units of 2^e_absmax (_unit_scale), and the exponent is shifted back (SPEC 3)."""
+    es = e_absmax.clamp(-126, 126)
+    xs = xb * _unit_scale(es).unsqueeze(-1)  # |xs| <= 6
+    mean = _tree_sum(xs) * (1 / 32)
+    mean2 = _tree_sum(xs * xs) * (1 / 32)
     sigma = torch.sqrt((mean2 - mean * mean).clamp(min=0))
     _, E = torch.frexp(sigma * QUEST_SCALE)
-    return torch.where(sigma > 0, E - 1, e_absmax)
+    return torch.where(sigma > 0, E - 1 + es, e_absmax)
+
+
+def _unit_scale(e):
+    """2^-e (e clamped to [-126, 126]: a normal FP32) for the sums of squares of QuEST's sigma,
+    four_over_six's error and MS-EDEN's correction. Their results are scale-free, but FP32 squares
+    overflow above 2^64 (sigma = Inf, all errors Inf: silently the wrong scale) and lose bits below
+    2^-63. Multiplying by 2^-e (exact) first brings the block to about 1; where the unscaled
+    squares stay normal, every sum is the unscaled one times 2^-2e: the same bits after."""
+    e = e.clamp(-126, 126)
+    return torch.ldexp(torch.ones(e.shape, dtype=torch.float32, device=e.device), -e)
 
 
 def _tensor_scale(block_amax, amax_reduce=None):
@@ -223,12 +236,14 @@ def _nv_dequant_blocks(codes_b, s, g):
 
 def _four_over_six(xb, amax, s6, g):
     """Quartet II / four-over-six: per 16-block keep the scale mapping amax to 6 or to 4,
-    whichever gives the smaller squared error (halving-tree sums; a tie keeps 6)."""
+    whichever gives the smaller squared error (halving-tree sums of the errors in units of the
+    block's 2^e_absmax, _unit_scale; a tie keeps 6)."""
     s4 = e4m3_encode(amax / 4 / g)
+    unit = _unit_scale(_absmax_exponent(amax)).unsqueeze(-1)
     errs = []
     for s in (s6, s4):
         q = e2m1_encode(_nv_divide(xb, s, g))
-        d = xb - _nv_dequant_blocks(q, s, g)
+        d = (xb - _nv_dequant_blocks(q, s, g)) * unit
         errs.append(_tree_sum(d * d))
     return torch.where(errs[1] < errs[0], s4, s6)
 
@@ -236,10 +251,12 @@ def _four_over_six(xb, amax, s6, g):
 def _eden_scales(xb, codes, s, g, seed):
     """MS-EDEN (SPEC 4): per 128-group the correction c = sum(x^2) / sum(x q) of the RN values q,
     folded into the group's E4M3 block scales with stochastic rounding. Draws: uniform(seed,
-    block index), block index = row * (K/16) + block."""
+    block index), block index = row * (K/16) + block. The sums take x and q in units of g's
+    power of two 2^E (_unit_scale; |x| <= 2688 g < 2^(E + 13)): c is scale-free, the sums not."""
     r, nb, _ = xb.shape
-    q = _nv_dequant_blocks(codes.view_as(xb), s, g)
-    xg, qg = xb.reshape(r, -1, EDEN_GROUP), q.reshape(r, -1, EDEN_GROUP)
+    unit = _unit_scale(torch.frexp(g)[1] - 1)  # 2^-floor(log2 g)
+    q = _nv_dequant_blocks(codes.view_as(xb), s, g * unit)  # (code * s) * (g 2^-E): q 2^-E exactly
+    xg, qg = (xb * unit).reshape(r, -1, EDEN_GROUP), q.reshape(r, -1, EDEN_GROUP)
     num, den = _tree_sum(xg * xg), _tree_sum(xg * qg)  # (R, K/128)
     c = num / den
     c = torch.where(torch.isfinite(c) & (den > 0), c, torch.ones_like(c))  # zero or non-finite group
@@ -417,21 +434,31 @@ def _dequantize_lead(q, dtype=torch.float32):
 
 
 def _mm_bf16(a, b, out_dtype):
-    """Exact operands in BF16: MXFP4 values code * 2^e, NVFP4 values code * s (<= 6 significant
-    bits; the tensor scales g multiply the FP32-accumulated product instead)."""
+    """Exact operands in BF16: MXFP4 values code * 2^e, NVFP4 values code * s * 2^k (<= 6
+    significant bits), the rest of the tensor scales multiplying the FP32-accumulated product."""
     if a.fmt == "mxfp4":
         a1, b1 = _dequantize_lead(a, torch.bfloat16), _dequantize_lead(b, torch.bfloat16)
         return _mm_f32(a1, b1).to(out_dtype)
-    one = torch.ones((), device=a.codes.device)
-    a1 = _dequantize_lead(QTensor(a.codes, a.scales, one, a.fmt, a.shape, a.axis), torch.bfloat16)
-    b1 = _dequantize_lead(QTensor(b.codes, b.scales, one, b.fmt, b.shape, b.axis), torch.bfloat16)
-    out = _mm_f32(a1, b1)  # (M, N) FP32
-    g = a.tensor_scale * b.tensor_scale
+    # g = m 2^E with m in [1, 2). The operands take 2^k, k = E clamped to [-116, 116] (code * s in
+    # [2^-10, 2688] times 2^k stays a normal BF16), the output m_a m_b 2^(E_a - k_a + E_b - k_b),
+    # in [2^-66, 4). One FP32 product g_a g_b here underflowed to 0 where the tensor amaxes multiply
+    # below ~1e-38 (the whole output silently 0) and overflowed above ~1e45 (0 * Inf = NaN); in
+    # FP32's normal range both give the same bits (one rounding of the same product).
+    (ma, ea), (mb, eb) = torch.frexp(a.tensor_scale), torch.frexp(b.tensor_scale)  # m in [0.5, 1)
+    ka, kb = (ea - 1).clamp(-116, 116), (eb - 1).clamp(-116, 116)
+    out = _mm_f32(_nv_bf16(a, ka), _nv_bf16(b, kb))  # (M, N) FP32
+    g = torch.ldexp((ma * 2) * (mb * 2), ea - 1 - ka + eb - 1 - kb)
     if out_dtype == torch.float32:
         return out.mul_(g)
     # the FP32 product rounded to out_dtype as it is stored: one pass over the FP32 output instead
     # of two (mul_, then .to), the same bits (an FP32 multiply, then one rounding either way)
     return torch.mul(out, g, out=torch.empty(out.shape, dtype=out_dtype, device=out.device))
+
+
+def _nv_bf16(q, k):
+    """code * s * 2^k of an NVFP4 QTensor in BF16, quantized axis last (exact for k in [-116, 116])."""
+    pow2 = torch.ldexp(torch.ones_like(q.tensor_scale), k)
+    return _dequantize_lead(QTensor(q.codes, q.scales, pow2, q.fmt, q.shape, q.axis), torch.bfloat16)
 
 
 def _mm_f32(a1, b1):

@@ -364,6 +364,17 @@ __device__ __forceinline__ int quest_exponent(float sigma) {  // floor(log2(0.48
   return E - 1;
 }
 
+// fp4._unit_scale: 2^-e with e clamped to [-126, 126] (a normal FP32). QuEST's sigma, four_over_six's
+// error and MS-EDEN's correction sum squares of the block times this (exact), so that FP32 squares
+// neither overflow (|x| > 2^64) nor underflow (|x| < 2^-63); the same bits wherever they did not.
+__device__ __forceinline__ float unit_scale(int e) { return exp2i(-max(-126, min(126, e))); }
+
+__device__ __forceinline__ int floor_log2(float g) {  // g > 0 finite
+  int E;
+  frexpf(g, &E);
+  return E - 1;
+}
+
 template <int N>
 __device__ __forceinline__ void store_bytes(u8* dst, const u32* w) {  // N bytes from N/4 words
   if constexpr (N == 4) {
@@ -403,28 +414,23 @@ __device__ __forceinline__ void quant_group_mx(float (&x)[G], const QParams& p, 
 #pragma unroll
   for (int b = 0; b < G / 32; b++) {
     float* xb = x + 32 * b;
-    int e;
-    bool bad = false;
-    bool need_amax = true;
-    float sigma = 0.0f;
-    if (RULE == RULE_QUEST) {
-      float sq[32];
+    const u32 ab = block_amax_bits<32>(xb);
+    const bool bad = ab >= 0x7F800000u;
+    int e = absmax_exponent(__uint_as_float(ab));
+    if (RULE == RULE_QUEST) {  // fp4._quest_exponent: sigma of the block in units of 2^e_absmax
+      const int es = max(-126, min(126, e));
+      const float unit = unit_scale(es);
+      float t[32];
 #pragma unroll
-      for (int j = 0; j < 32; j++) sq[j] = __fmul_rn(xb[j], xb[j]);
-      float mean = __fmul_rn(tree_sum<32>(xb), 0.03125f);
-      float mean2 = __fmul_rn(tree_sum<32>(sq), 0.03125f);
+      for (int j = 0; j < 32; j++) t[j] = __fmul_rn(xb[j], unit);
+      const float mean = __fmul_rn(tree_sum<32>(t), 0.03125f);
+#pragma unroll
+      for (int j = 0; j < 32; j++) t[j] = __fmul_rn(t[j], t[j]);
+      const float mean2 = __fmul_rn(tree_sum<32>(t), 0.03125f);
       float var = __fsub_rn(mean2, __fmul_rn(mean, mean));
       var = var < 0.0f ? 0.0f : var;
-      sigma = __fsqrt_rn(var);
-      if (sigma > 0.0f) {
-        need_amax = !(sigma <= 3.402823466e+38f);  // finite sigma: no NaN/Inf in the block
-        e = need_amax ? -1 : quest_exponent(sigma);  // sigma = Inf (squares overflow): frexp's E = 0
-      }
-    }
-    if (need_amax) {  // absmax rule, or QuEST's fallback / non-finite check
-      u32 ab = block_amax_bits<32>(xb);
-      bad = ab >= 0x7F800000u;
-      if (!(RULE == RULE_QUEST && sigma > 0.0f)) e = absmax_exponent(__uint_as_float(ab));
+      const float sigma = __fsqrt_rn(var);  // NaN for a NaN/Inf block (bad: e is overridden)
+      if (sigma > 0.0f) e = quest_exponent(sigma) + es;  // else absmax's (a constant block)
     }
     e = bad ? 0 : max(-127, min(127, e));
     const float inv = exp2i(-e);  // x / 2^e == x * 2^-e exactly (both one rounding of one real)
@@ -490,8 +496,9 @@ __device__ __forceinline__ void quant_group_mx(float (&x)[G], const QParams& p, 
   if (p.mask) store_bytes<G / 8>(p.mask + (base >> 3), mw);
 }
 
-// four_over_six's squared error of one 16-block for scale s (fp4._four_over_six).
-__device__ __forceinline__ float nv_err(const float* xb, u32 s, float g) {
+// four_over_six's squared error of one 16-block for scale s (fp4._four_over_six), the errors in units
+// of the block's 2^e_absmax (unit = unit_scale(e_absmax)).
+__device__ __forceinline__ float nv_err(const float* xb, u32 s, float g, float unit) {
   float sd = e4m3_dec(s);
   float den = __fmul_rn(sd, g);
   den = den == 0.0f ? __uint_as_float(0x7F800000u) : den;
@@ -501,7 +508,7 @@ __device__ __forceinline__ float nv_err(const float* xb, u32 s, float g) {
     float v = __fdiv_rn(xb[j], den);
     u32 c = (v != v) ? 0u : (e2m1_rn_mag(v) | e2m1_sign(v));
     float q = __fmul_rn(__fmul_rn(e2m1_dec(c), sd), g);
-    float t = __fsub_rn(xb[j], q);
+    float t = __fmul_rn(__fsub_rn(xb[j], q), unit);
     d[j] = __fmul_rn(t, t);
   }
   return tree_sum<16>(d);
@@ -556,7 +563,8 @@ __device__ __forceinline__ void nv_encode(const float* x, const QParams& p, u32 
     u32 s = e4m3_enc(__fdiv_rn(__fdiv_rn(amax, 6.0f), g));
     if (RULE == RULE_FOUR_OVER_SIX) {
       u32 s4 = e4m3_enc(__fdiv_rn(__fdiv_rn(amax, 4.0f), g));
-      float e6 = nv_err(xb, s, g), e4 = nv_err(xb, s4, g);
+      const float unit = unit_scale(absmax_exponent(amax));  // NaN/Inf amax: any e (s is 0x7F)
+      float e6 = nv_err(xb, s, g, unit), e4 = nv_err(xb, s4, g, unit);
       s = e4 < e6 ? s4 : s;
     }
     s = bad ? 0x7Fu : s;
@@ -649,24 +657,32 @@ __device__ __forceinline__ void quant_group_nv(float (&x)[G], const QParams& p, 
         // are taken at once (u[j] = (p[j] + p[j+64]) + (p[j+32] + p[j+96]), the same additions in
         // the same order), and q (the RN value, code * scale * g) is decoded where it is used: 32
         // partial sums live instead of 128 values of q and 64 sums, which spilled (ptxas, sm_90a).
+        // x and q in units of g's power of two (fp4._eden_scales): unit x, and q from g unit.
         const float* xg = x + 128 * gi;
         const u32* cg = cw + 16 * gi;
         const u32* sg = sc + 8 * gi;
+        const float unit = unit_scale(floor_log2(g)), gu = __fmul_rn(g, unit);
         float u[32];
 #pragma unroll
         for (int j = 0; j < 32; j++) {
-          const float a = __fadd_rn(__fmul_rn(xg[j], xg[j]), __fmul_rn(xg[j + 64], xg[j + 64]));
-          const float b = __fadd_rn(__fmul_rn(xg[j + 32], xg[j + 32]), __fmul_rn(xg[j + 96], xg[j + 96]));
+          float xs[4];
+#pragma unroll
+          for (int k = 0; k < 4; k++) xs[k] = __fmul_rn(xg[j + 32 * k], unit);
+          const float a = __fadd_rn(__fmul_rn(xs[0], xs[0]), __fmul_rn(xs[2], xs[2]));
+          const float b = __fadd_rn(__fmul_rn(xs[1], xs[1]), __fmul_rn(xs[3], xs[3]));
           u[j] = __fadd_rn(a, b);
         }
         float num = tree_sum<32>(u);
 #pragma unroll
         for (int j = 0; j < 32; j++) {
-          float q[4];
+          float q[4], xs[4];
 #pragma unroll
-          for (int k = 0; k < 4; k++) q[k] = nv_value(cg, sg, j + 32 * k, g);
-          const float a = __fadd_rn(__fmul_rn(xg[j], q[0]), __fmul_rn(xg[j + 64], q[2]));
-          const float b = __fadd_rn(__fmul_rn(xg[j + 32], q[1]), __fmul_rn(xg[j + 96], q[3]));
+          for (int k = 0; k < 4; k++) {
+            q[k] = nv_value(cg, sg, j + 32 * k, gu);
+            xs[k] = __fmul_rn(xg[j + 32 * k], unit);
+          }
+          const float a = __fadd_rn(__fmul_rn(xs[0], q[0]), __fmul_rn(xs[2], q[2]));
+          const float b = __fadd_rn(__fmul_rn(xs[1], q[1]), __fmul_rn(xs[3], q[3]));
           u[j] = __fadd_rn(a, b);
         }
         float den = tree_sum<32>(u);
@@ -769,34 +785,32 @@ __device__ __forceinline__ void mx_rotate(float (&x)[8], const MxArgs& a, u32 q)
 template <int RULE, int RND>
 __device__ __forceinline__ void mx_chunk(float (&x)[8], const MxArgs& a, u32 q, u64 c, bool valid) {
   if (a.H) mx_rotate(x, a, q);
-  int e = 0;
-  bool bad = false, need_amax = true;
-  float sigma = 0.0f;
-  if constexpr (RULE == RULE_QUEST) {
-    float sq[8];
-#pragma unroll
-    for (int i = 0; i < 8; i++) sq[i] = __fmul_rn(x[i], x[i]);
-    float mean = __fmul_rn(quad_tree_sum(x), 0.03125f);
-    float mean2 = __fmul_rn(quad_tree_sum(sq), 0.03125f);
-    float var = __fsub_rn(mean2, __fmul_rn(mean, mean));
-    var = var < 0.0f ? 0.0f : var;
-    sigma = __fsqrt_rn(var);
-    if (sigma > 0.0f) {
-      need_amax = !(sigma <= 3.402823466e+38f);
-      e = need_amax ? -1 : quest_exponent(sigma);
-    }
-  }
-  {  // block amax (unconditional: shuffles stay in converged code)
+  int e;
+  bool bad;
+  {  // block amax (shuffles in converged code)
     float m = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; i++) m = absmax_nan(m, x[i]);
     m = absmax_nan(m, shfl_xor(m, 1));
     m = absmax_nan(m, shfl_xor(m, 2));
-    if (need_amax) {
-      u32 ab = __float_as_uint(m) & 0x7FFFFFFFu;
-      bad = ab >= 0x7F800000u;
-      if (!(RULE == RULE_QUEST && sigma > 0.0f)) e = absmax_exponent(__uint_as_float(ab));
-    }
+    const u32 ab = __float_as_uint(m) & 0x7FFFFFFFu;
+    bad = ab >= 0x7F800000u;
+    e = absmax_exponent(__uint_as_float(ab));
+  }
+  if constexpr (RULE == RULE_QUEST) {  // quant_group_mx's sigma, the sums across the lane quad
+    const int es = max(-126, min(126, e));
+    const float unit = unit_scale(es);
+    float t[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) t[i] = __fmul_rn(x[i], unit);
+    const float mean = __fmul_rn(quad_tree_sum(t), 0.03125f);
+#pragma unroll
+    for (int i = 0; i < 8; i++) t[i] = __fmul_rn(t[i], t[i]);
+    const float mean2 = __fmul_rn(quad_tree_sum(t), 0.03125f);
+    float var = __fsub_rn(mean2, __fmul_rn(mean, mean));
+    var = var < 0.0f ? 0.0f : var;
+    const float sigma = __fsqrt_rn(var);
+    if (sigma > 0.0f) e = quest_exponent(sigma) + es;
   }
   e = bad ? 0 : max(-127, min(127, e));
   const float inv = exp2i(-e);
@@ -880,12 +894,16 @@ __device__ __forceinline__ void nvq_group(float (&x)[32], const QParams& p, u32 
   bool badb[2];
   nv_encode<32, RULE, RND>(x, p, orow, ocol, g, cw, sc, badb);
   if constexpr (RND == ROUND_EDEN) {  // the group's sum(x x) and sum(x q) (quant_group_nv's order)
+    const float unit = unit_scale(floor_log2(g)), gu = __fmul_rn(g, unit);  // x, q in units of g's 2^E
     float t[32];
 #pragma unroll
-    for (int i = 0; i < 32; i++) t[i] = __fmul_rn(x[i], x[i]);
+    for (int i = 0; i < 32; i++) {
+      const float xs = __fmul_rn(x[i], unit);
+      t[i] = __fmul_rn(xs, xs);
+    }
     const float num = quad_tree_sum(t);
 #pragma unroll
-    for (int i = 0; i < 32; i++) t[i] = __fmul_rn(x[i], nv_value(cw, sc, i, g));
+    for (int i = 0; i < 32; i++) t[i] = __fmul_rn(__fmul_rn(x[i], unit), nv_value(cw, sc, i, gu));
     const float den = quad_tree_sum(t);
     nv_eden_scales<2>(sc, badb, num, den, p, orow, ocol);
   }

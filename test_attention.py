@@ -16,11 +16,14 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 import attention as A
 import fp4
+from test_formats import e2m1_nearest, e2m1_value, e4m3_nearest, e4m3_value, f32, fuzz, sr_code
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 gpu_kernels = pytest.mark.skipif(not (torch.cuda.is_available() and A.triton is not None),
@@ -160,6 +163,123 @@ def test_e2m1_rounding_rules():
         f = (x - lo) / step
         assert abs(got - (lo + step * math.floor(256 * f) / 256)) < 1e-6, (x, got)
     assert torch.isnan(A.e2m1_round(torch.tensor([float("nan")]))).all()
+
+
+# --- the reference under hypothesis -------------------------------------------------------------
+
+@st.composite
+def attention_inputs(draw):
+    """q (1, H, T, D) and k, v (1, Hkv, T, D): any head split, T 1..40, D 16 or 32, each operand at
+    its own binade (2^-30 .. 2^5: scores stay inside FP32; half the time 2^-3 .. 2^2, where the scores
+    are of order 1 and the softmax weights spread), Gaussian, heavy-tailed or with zero rows."""
+    hkv, group, t, d = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2])), draw(st.integers(1, 40)), draw(st.sampled_from([16, 32]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    def make(heads):
+        x = torch.randn(1, heads, t, d, generator=gen)
+        kind = draw(st.sampled_from(["gauss", "heavy", "zero rows"]))
+        if kind == "heavy":
+            x = x ** 3
+        elif kind == "zero rows":
+            x[:, :, torch.rand(t, generator=gen) < 0.3] = 0.0
+        return x * 2.0 ** draw(st.integers(-3, 2) | st.integers(-30, 5))  # scores ~1 half the time
+    return make(hkv * group), make(hkv), make(hkv)
+
+
+@fuzz(60)
+@given(attention_inputs(), st.booleans())
+def test_forward_is_exact_attention_on_dequantized_operands_within_bound(qkv_, causal):
+    """O of the NVFP4 reference against float64 attention on dequantize(Q), dequantize(K),
+    dequantize(V), element by element within the derived bound: the FP32 scores err by at most
+    dS = (gamma_D + 6u) scale sum_d |q_d k_d| (dot product, the tensor scales' and dequantize's
+    roundings), which moves each softmax weight by a relative 2 max_j dS; the BF16 copy of exp(S - m)
+    by 2^-8; exp by 4u; the FP32 sum over T keys and the scaling by (T + 4) u; all of that relative
+    to sum_j p_ij |v_jd| (u = 2^-24); plus weights below FP32's normal range (exp underflows:
+    2^-126 sum_j |v_jd|)."""
+    q, k, v = qkv_
+    d, t = q.shape[-1], q.shape[2]
+    sc = 1 / math.sqrt(d)
+    qq, kq, vq = quantized(q, k, v)
+    o = A.reference_forward(qq, kq, vq, causal, sc)[0].double()
+    dq, dk, dv = (fp4.dequantize(x).double() for x in (qq, kq, vq))
+    group = q.shape[1] // k.shape[1]
+    dk, dv = dk.repeat_interleave(group, 1), dv.repeat_interleave(group, 1)
+    want = sdpa64(dq, dk, dv, causal)
+    s = (dq @ dk.transpose(-1, -2)) * sc
+    if causal:
+        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.softmax(s, -1)
+    u = 2.0**-24
+    ds = ((d * u / (1 - d * u) + 6 * u) * sc * (dq.abs() @ dk.abs().transpose(-1, -2))).amax(-1, keepdim=True)
+    rel_w = torch.expm1(2 * ds) + 2.0**-8 + 4 * u + (t + 4) * u
+    tol = rel_w * (p @ dv.abs()) * 1.01 + 2.0**-126 * dv.abs().sum(-2, keepdim=True)  # FP32 exp underflows
+    err = (o - want).abs()
+    assert bool((err <= tol).all()), first_mismatches(o, want, "bound")
+
+
+@fuzz(50)
+@given(st.sampled_from(["q", "k", "v"]), st.integers(0, 39), st.integers(0, 15),
+       st.sampled_from([float("nan"), float("inf"), -float("inf")]), st.booleans(), st.integers(0, 2**16))
+def test_nonfinite_input_gives_nan_rows_exactly_where_it_reaches(which, row, col, val, causal, seed):
+    """A NaN or +-Inf in q, k or v (its NVFP4 block scale is NaN, SPEC 2): the output rows that
+    read it are NaN (q's own row; for k and v every query that attends to that key, in each head of
+    the kv group; D = 16: one NVFP4 block a row), never a silent number. For q and k every other
+    row stays finite; a non-finite
+    v row also reaches the queries the causal mask hides it from (P V multiplies their weight 0 by
+    NaN): loud, and wider than exact attention."""
+    q, k, v = qkv(b=1, h=4, hkv=2, t=40, d=16, dtype=torch.float32, seed=seed)
+    x = dict(q=q, k=k, v=v)[which]
+    head = seed % x.shape[1]
+    x[0, head, row, col] = val
+    o = A.reference_forward(*quantized(q, k, v), causal, 0.25)[0]
+    want = torch.zeros(1, 4, 40, dtype=torch.bool)
+    if which == "q":
+        want[0, head, row] = True
+    else:  # kv head h serves q heads 2h, 2h + 1; under the causal mask only queries >= row see it
+        want[0, 2 * head:2 * head + 2, row if causal else 0:] = True
+    nan_rows = torch.isnan(o).any(-1)
+    assert bool(torch.isnan(o[want]).all()), "a row that reads the NaN is (partly) a number"
+    if which == "v":
+        want = want | (torch.arange(4).view(1, 4, 1) // 2 == head)  # every query of the kv group
+    assert torch.equal(nan_rows, want) and bool(torch.isfinite(o[~want]).all())
+
+
+@fuzz(50)
+@given(st.integers(0, 2**16), st.integers(-40, 40), st.sampled_from(["rn", "sr"]), st.booleans())
+def test_ds_quantizer_is_its_spec(seed, e, rounding, special):
+    """quantize_ds on any dS (tiles at their own binades, zero tiles, NaN/Inf) against the module
+    docstring, independently: G the smallest power of two >= tile amax / 2688 (1 for a zero tile,
+    NaN for a non-finite one), s_b = e4m3_rn(min(amax_b / 6 / G, 448)), r_b = 1 / (s_b G), values
+    sign * E2M1(|x r_b|) * s_b * G with the E2M1 of RN (nearest, ties even) or SR (SPEC 4's rule)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 2, 64, 128, generator=gen) * torch.exp2(torch.randint(-20, 20, (1, 2, 1, 2), generator=gen).float() + e).repeat_interleave(64, -1)
+    x[0, 1, :, 64:] = 0.0  # a zero tile
+    if special:
+        x[0, 0, 5, 70] = float("nan")
+    keys = None if rounding == "rn" else torch.tensor([7, 9]).view(1, 2, 1, 1)
+    vals, g = A.quantize_ds(x, keys, rounding)
+    X = f32(x.numpy()).reshape(1, 2, 1, 64, 2, 64)
+    amax = np.abs(X.astype(np.float64)).max(axis=(3, 5))
+    mant, ex = np.frexp(amax / 2688)  # amax / 2688 = mant 2^ex, mant in [0.5, 1)
+    want_g = np.where(amax == 0, 1.0, np.where(mant == 0.5, amax / 2688, np.ldexp(1.0, ex)))
+    want_g = np.where(np.isfinite(amax), want_g, np.nan).reshape(1, 2, 1, 2)
+    assert np.array_equal(g.numpy(), want_g, equal_nan=True), (g, want_g)
+    gb = f32(np.repeat(np.repeat(want_g, 64, 2), 4, 3))  # (1, 2, 64, 8): G of each 16-block
+    xb = f32(x.numpy()).reshape(1, 2, 64, 8, 16)
+    with np.errstate(all="ignore"):
+        sb = e4m3_value(e4m3_nearest(np.minimum(f32(f32(np.abs(xb.astype(np.float64)).max(-1)) / f32(6.0)) / gb, 448)))
+        sg = f32(f32(sb) * gb)
+        r = np.where(sg > 0, f32(1.0) / np.where(sg > 0, sg, 1), f32(0.0))
+        v = f32(xb * f32(r)[..., None])
+    if rounding == "rn":
+        codes = e2m1_nearest(v)
+    else:
+        codes = sr_code(v, A._random_bytes(keys, 64, 128).numpy().reshape(v.shape).astype(np.int64))
+    want = e2m1_value(codes) * sg.astype(np.float64)[..., None]
+    with np.errstate(all="ignore"):
+        want = np.where(np.isnan(v), np.nan, want)
+    got = vals.double().numpy().reshape(want.shape)
+    same = (got == want) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), (got[~same][:5], want[~same][:5])
 
 
 # --- the public function: autograd, saved bytes, NaN, errors, compile -------------------------

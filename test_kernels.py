@@ -13,9 +13,12 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 import fp4
 import cuda_kernels as kernels
+from test_formats import fuzz, tensors
+from test_fp4 import QUANT_CONFIGS
 
 HAS_GPU = torch.cuda.is_available() and kernels._cupy() is not None
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device and CuPy")
@@ -294,6 +297,26 @@ def test_requantize(shape, fin, optin, fout, optout, layout, monkeypatch):
     signs = fp4.random_signs(had, 5, "cuda") if opt.pop("signed", False) else None
     got, want = both("requantize", q, fout, signs=signs, seed=77, **opt)
     assert_qtensor(got, want)
+
+
+@gpu
+@fuzz(40)
+@given(st.sampled_from(QUANT_CONFIGS), st.sampled_from([0, 16, 32, 128]), st.booleans(), st.integers(0, 2**31), st.data())
+def test_quantize_and_requantize_under_hypothesis(cfg, n, first_axis, seed, data):
+    """The kernels against the reference on test_formats.tensors' inputs (zeros, subnormals, +-max,
+    ties, NaN, Inf, any binade), every format x rule x rounding x Hadamard, both axes, and the
+    re-quantize of the result along the other axis, bit for bit."""
+    multiple = max(n, 128 if cfg["rounding"] == "eden" else fp4.FORMATS[cfg["fmt"]])
+    x = data.draw(tensors(multiple=multiple, rows=(1, 2), row_multiple=multiple)).cuda()
+    signs = fp4.random_signs(n, seed, "cuda") if n else None
+    x = x.t().contiguous() if first_axis else x
+    got, want = both("quantize", x, axis=0 if first_axis else 1, hadamard=n, signs=signs, seed=seed, **cfg)
+    assert_qtensor(got, want)
+    if cfg["rounding"] != "eden":  # requantize takes only the 2-D forward formats
+        with reference():
+            q = fp4.quantize(x, axis=0 if first_axis else 1, **cfg)
+        got, want = both("requantize", q, cfg["fmt"], rounding="sr", hadamard=n, signs=signs, seed=seed + 1)
+        assert_qtensor(got, want)
 
 
 @gpu

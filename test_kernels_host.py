@@ -392,12 +392,13 @@ EMU_NV_CASES = [  # (shape, dtype, rule, rounding, hadamard, signed): MS-EDEN's 
 ]
 
 
-def _emu_input_nv(shape, dtype, seed):
+def _emu_input_nv(shape, dtype, seed, binade=0):
     """Rows 2^-4..2^4 apart (one tensor scale: MX's 1e-30..3e38 would leave most NVFP4 blocks 0),
     heavy tails, a NaN, an Inf, a zero row and a constant row; rows 5 and 6 put a NaN, an Inf and
-    zero blocks into single lanes of a 128-group's quad (lane q: elements 32q..32q+31)."""
+    zero blocks into single lanes of a 128-group's quad (lane q: elements 32q..32q+31). binade: all
+    of it times 2^binade (FP32 squares overflow at 2^66 and lose bits at 2^-70: fp4._unit_scale)."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=gen) ** 3 * torch.exp2(torch.randint(-4, 5, shape[:-1] + (1,), generator=gen).float())
+    x = torch.randn(shape, generator=gen) ** 3 * torch.exp2(torch.randint(-4, 5, shape[:-1] + (1,), generator=gen).float() + binade)
     x[1, 5], x[2, 17], x[3] = float("nan"), float("inf"), 0.0
     x[4] = 0.75
     x[5, 37], x[5, 116], x[5, 64:80] = float("nan"), -float("inf"), 0.0  # lanes 1, 3; a zero block in lane 2
@@ -407,15 +408,19 @@ def _emu_input_nv(shape, dtype, seed):
 
 @pytest.mark.parametrize("mode", ["nv", "nvquad"])
 @pytest.mark.parametrize("shape,dtype,rule,rnd,had,signed", EMU_NV_CASES)
-def test_host_emulation_nv(emu_binary, mode, shape, dtype, rule, rnd, had, signed):
+@pytest.mark.parametrize("binade", [0, 66, -70])
+def test_host_emulation_nv(emu_binary, mode, shape, dtype, rule, rnd, had, signed, binade):
     """NVFP4 through quant_group as quant_rows runs it (pre-pass, tensor scale, quantize, and
     MS-EDEN's per-128-group correction of the scales), against fp4.quantize bit for bit; mode
-    'nvquad': the 128-groups through nvq_group, 4 host threads as the lanes of a quad."""
+    'nvquad': the 128-groups through nvq_group, 4 host threads as the lanes of a quad. The sums of
+    squares (four_over_six, MS-EDEN) also at binades where unscaled FP32 squares over/underflow."""
     import numpy as np
     if mode == "nvquad" and max(16, had, fp4.EDEN_GROUP if rnd == "eden" else 0) != 128:
         pytest.skip("the quad layout is for 128-groups (Hadamard 128 or MS-EDEN)")
+    if binade and rule != "four_over_six" and rnd != "eden":
+        pytest.skip("other binades: for the sums of squares only")
     d = emu_binary
-    x = _emu_input_nv(shape, dtype, sum(shape) + had + 1)
+    x = _emu_input_nv(shape, dtype, sum(shape) + had + 1, binade)
     signs = fp4.random_signs(had, 11) if signed else None
     seed = 4321
     q = fp4.quantize(x, "nvfp4", scale_rule=rule, rounding=rnd, hadamard=had, signs=signs, seed=seed)

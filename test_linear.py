@@ -3,9 +3,12 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 import fp4
 import lora
+from test_formats import F32_MAX, F32_TINY, fuzz, tensors
+from test_fp4 import QUANT_CONFIGS
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -22,6 +25,58 @@ def test_mm_emulated_is_the_dequantized_product(fmt):
     b = fp4.quantize(torch.randn(256, 80), fmt, axis=0)  # (K, N) quantized along K
     y = fp4.mm(a, b, torch.float32, backend="emulated")
     assert torch.equal(y, fp4.dequantize(a) @ fp4.dequantize(b))
+
+
+@fuzz(150)
+@given(st.sampled_from(["mxfp4", "nvfp4"]), st.sampled_from(["emulated", "bf16"]),
+       st.sampled_from([torch.float32, torch.bfloat16]), st.data())
+def test_mm_is_the_exact_product_within_rounding(fmt, backend, out_dtype, data):
+    """mm(a, b) on any operands (tensors(): zeros, subnormals, +-max, NaN, Inf) against the float64
+    product of the dequantized operands: within the derived bound of an FP32 dot product of K terms
+    in any order, gamma_K sum |a b| (gamma_K = K u / (1 - K u), u = 2^-24), plus the output's
+    rounding (2^-24 FP32, 2^-8 BF16 relative) and, on the bf16 backend's NVFP4 path, the FP32
+    product of the two tensor scales (u relative, 2^-150 absolute). Entries whose sum |a b| exceeds
+    FP32's range have no bound; rows or columns with a NaN or Inf operand are non-finite, never a
+    silent number. The bf16 backend (CUDA's) runs here through its function, on the CPU."""
+    configs = [c for c in QUANT_CONFIGS if c["fmt"] == fmt and c["rounding"] != "eden"]
+    x = data.draw(tensors(multiple=fp4.FORMATS[fmt], rows=(1, 5)))
+    w = data.draw(tensors(multiple=x.shape[1], blocks=(1, 1), rows=(1, 5)))
+    a = fp4.quantize(x, **data.draw(st.sampled_from(configs)))
+    b = fp4.quantize(w, **data.draw(st.sampled_from(configs)))
+    got = (fp4.mm(a, b, out_dtype) if backend == "emulated" else fp4._mm_bf16(a, b, out_dtype)).double()
+    da, db = fp4.dequantize(a).double(), fp4.dequantize(b).double()
+    exact, mass = da @ db.t(), da.abs() @ db.abs().t()
+    k, u = x.shape[1], 2.0**-24
+    gamma = k * u / (1 - k * u)
+    rnd = u if out_dtype == torch.float32 else 2.0**-8  # BF16: 8 significant bits
+    bound = gamma * mass + rnd * (exact.abs() + gamma * mass) + k * F32_TINY + 2 * F32_TINY
+    if backend == "bf16" and fmt == "nvfp4":
+        unit = [fp4.dequantize(fp4.QTensor(q.codes, q.scales, torch.ones(()), fmt, q.shape, q.axis)).double().abs()
+                for q in (a, b)]  # code * s: the operands before the tensor scales
+        unit_mass = unit[0] @ unit[1].t()
+        bound = bound + 2 * u * (exact.abs() + bound) + unit_mass * 2.0**-150
+    bad = ~torch.isfinite(da).all(1, keepdim=True) | ~torch.isfinite(db).all(1, keepdim=True).t()
+    assert bool((~torch.isfinite(got[bad.expand_as(got)])).all()), "a NaN/Inf operand row gave a number"
+    ok = bad | (mass > F32_MAX) | ((got - exact).abs() <= bound)
+    assert bool(ok.all()), f"off the bound: got {got[~ok][:3].tolist()}, exact {exact[~ok][:3].tolist()}, bound {bound[~ok][:3].tolist()}"
+
+
+def test_bf16_backend_tensor_scales_out_of_fp32_range():
+    """The bf16 backend multiplied its FP32 output by g_a g_b, one FP32 product: for tensors with
+    amax ~1e-20 it underflowed to 0 and the whole output came out 0; for two with amax ~1e37 it
+    overflowed, and a row of zeros gave NaN (0 * Inf) for 0 (test_mm_is_the_exact_product_within_
+    rounding found both). Now within FP32 rounding of the emulated product, the definition."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(16, 64, generator=g) * 1e-20, torch.randn(8, 64, generator=g) * 1e-20
+    a, b = fp4.quantize(x, "nvfp4"), fp4.quantize(w, "nvfp4")
+    want = fp4.mm(a, b, torch.float32, backend="emulated").double()
+    got = fp4._mm_bf16(a, b, torch.float32).double()
+    mass = fp4.dequantize(a).double().abs() @ fp4.dequantize(b).double().abs().t()
+    err = (got - want).abs()  # 2 gamma_64 sum |a b|; outputs ~1e-39 are FP32 subnormals, 2^-149 apart
+    assert bool((err <= 2 * 64 * 2.0**-24 * mass + 64 * F32_TINY).all()) and want.abs().max() > 0, err.max()
+    huge = fp4.quantize(torch.randn(16, 64, generator=g) * 1e37, "nvfp4")
+    zero_rows = fp4.quantize(torch.cat((torch.randn(4, 64, generator=g) * 1e37, torch.zeros(4, 64))), "nvfp4")
+    assert torch.equal(fp4._mm_bf16(huge, zero_rows, torch.float32)[:, 4:], torch.zeros(16, 4))
 
 
 def test_mm_bad_input():

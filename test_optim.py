@@ -1,13 +1,16 @@
 """Tests of optim.py: FP4 optimizer states, AdamW, Muon/ROOT, build (Newton-Schulz: test_newton_schulz.py)."""
 import io
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 import fp4
 import cuda_kernels as kernels
 import optim
-from test_fp4 import assert_same, first_mismatches
+from test_formats import fuzz
+from test_fp4 import assert_same, check_nv, first_mismatches
 
 # ---------------------------------------------------------------------------------------------
 # FP4 states and AdamW
@@ -194,6 +197,84 @@ def test_ratio_bound_is_exact_adamw_invariant():
     m, v = exact_moments(heavy_grads((64, 64), t, seed=1).double(), betas)
     assert bool((m.abs() <= optim.ratio_bound(betas, t) * v.sqrt() * (1 + 1e-12)).all())
     assert optim.update_bound(1.0, betas, 1) == pytest.approx(1.0)
+
+
+# --- the state quantizer and the step under hypothesis (heavy tails, zeros, NaN, Inf) -----------
+
+@st.composite
+def heavy(draw, shape=(32, 128)):
+    """Student-t values (df 1.1 .. 4: no variance below 2) times log-normal row scales (sd up to
+    3 nats) at a random binade, some rows zero."""
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    df = draw(st.floats(1.1, 4.0))
+    z = torch.randn(shape, generator=gen) / torch.sqrt(torch.distributions.Chi2(df).sample(shape) / df)
+    rows = torch.exp(draw(st.floats(0, 3)) * torch.randn(shape[0], 1, generator=gen))
+    x = z * rows * 2.0 ** draw(st.integers(-60, 20))
+    x[torch.rand(shape[0], generator=gen) < draw(st.floats(0, 0.3))] = 0.0
+    return x
+
+
+@fuzz(80)
+@given(heavy(), st.sampled_from(optim.STATE_KINDS), st.sampled_from(["rn", "sr"]), st.sampled_from([0, 16, 128]),
+       st.sampled_from(optim.STATE_MEANS), st.integers(0, 2**32 - 1), st.booleans())
+def test_state_quantizer_is_spec(x, kind, rounding, hadamard, mean, seed, nan):
+    """quantize_state (SPEC 8.1) on heavy-tailed moments: its codes and scales are the NVFP4 QTensor
+    of sqrt(v) (correctly rounded), minus its mean, rotated (checked against SPEC 2-4 by
+    test_fp4.check_nv, independently); the rebuilt second moment is >= 0 everywhere (a negative
+    sqrt(v) would divide by eps); a NaN moment stays NaN in its rebuilt block (never 0)."""
+    if kind == "sqrt":
+        x = x * x
+    if nan:
+        x[3, 17] = float("nan")
+    s = optim.quantize_state(x, kind, seed=seed, rounding=rounding, hadamard=hadamard, mean=mean)
+    y = torch.from_numpy(np.sqrt(x.numpy())) if kind == "sqrt" else x  # IEEE float32 sqrt: correctly rounded
+    if kind == "sqrt":
+        y = y - s["mean"] if s["mean"].shape[-1] == 1 else (y.view(32, -1, 128) - s["mean"].unsqueeze(-1)).view_as(y)
+    y = fp4.hadamard(y, hadamard) if hadamard else y
+    q = fp4.QTensor(s["codes"], s["scales"], s["tensor_scale"], "nvfp4", tuple(x.shape), 1)
+    check_nv(y.numpy(), q, "absmax", rounding, seed)
+    back = optim.dequantize_state(s)
+    if kind == "sqrt":
+        assert bool((back[~torch.isnan(back)] >= 0).all()), "a rebuilt v < 0"
+    assert not nan or bool(torch.isnan(back[3, 17])), "a NaN moment rebuilt as a number"
+
+
+@fuzz(25)
+@given(heavy(), st.sampled_from(["rn", "sr", ("sr", "rn")]), st.sampled_from([0, 16, 128]),
+       st.sampled_from(["none", "block", "row"]), st.floats(1e-4, 1.0), st.integers(2, 6))
+def test_adamw_nvfp4_update_bound_on_heavy_tails(scale, rounding, hadamard, mean, lr, steps):
+    """SPEC 8.1's stated factor, for all heavy-tailed gradients: no element of an NVFP4-state update
+    moves further than U_t (update_bound: the most exact FP32 AdamW can move at step t, so a factor
+    1 over FP32 AdamW's worst case), in any state format, up to the FP32 rounding of p + update."""
+    w = torch.nn.Parameter(torch.zeros(32, 128))
+    opt = optim.AdamW([w], lr=lr, weight_decay=0.0, state="nvfp4", rounding=rounding, hadamard=hadamard, mean=mean)
+    gen = torch.Generator().manual_seed(steps)
+    for t in range(1, steps + 1):
+        before = w.detach().clone()
+        w.grad = scale * torch.randn(32, 128, generator=gen)  # Student-t x log-normal x Gaussian
+        opt.step()
+        moved = (w.detach() - before).abs().max().item() - before.abs().max().item() * 2.0**-23
+        assert moved <= optim.update_bound(lr, (0.9, 0.95), t) * (1 + 1e-5), (t, moved)
+
+
+@fuzz(30)
+@given(st.lists(st.tuples(st.integers(0, 31), st.integers(0, 127), st.sampled_from([float("nan"), float("inf"), -float("inf")])),
+                min_size=1, max_size=4), st.sampled_from([0, 128]), st.sampled_from(["none", "block", "row"]))
+def test_adamw_nonfinite_gradients_stay_visible(bad, hadamard, mean):
+    """A NaN or +-Inf gradient element makes exactly that parameter element NaN after the step, and
+    its rebuilt moments NaN there: the failure shows, it is never zeroed into the state."""
+    w = torch.nn.Parameter(torch.zeros(32, 128))
+    opt = optim.AdamW([w], state="nvfp4", hadamard=hadamard, mean=mean)
+    g = torch.full_like(w, 1e-3)
+    for i, j, v in bad:
+        g[i, j] = v
+    w.grad = g
+    opt.step()
+    where = torch.zeros_like(w, dtype=torch.bool)
+    where[[i for i, _, _ in bad], [j for _, j, _ in bad]] = True
+    assert torch.equal(torch.isnan(w.detach()), where)
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert bool(torch.isnan(optim.dequantize_state(opt.state[w][name])[where]).all()), name
 
 
 def _v_rel_mse(v, **kw):
