@@ -488,9 +488,15 @@ def test_sharded_save_is_atomic(runs):
         assert a['left'] == ['ckpt.dcp'] and a['iter_num'] == 1 and a['same'], a
 
 
+# The chain's sums run in another order for two steps (on 1 rank) and the few-ulp differences then
+# grow through Adam's m / (sqrt(v) + eps) for two more steps, largest where |g| is near eps: measured
+# 4.5e-5 and 1.0e-4 at steps 4 and 5 (one run, 2 busy CPU cores), 0.0 in another. 5x that margin.
+CHAIN_ATOL = 5e-4
+
+
 def test_sharded_checkpoint_resumes_at_other_world_sizes(runs):
     """Saved on 2 ranks at step 2, resumed on 1 to step 4, resumed on 2 to step 6: each continues
-    with the losses of the uninterrupted 2-rank run (LOSS_ATOL: the sums' order differs on 1 rank)."""
+    with the losses of the uninterrupted 2-rank run (CHAIN_ATOL: the sums' order differs on 1 rank)."""
     full = runs['chain_full']['summary']['loss_curve']
     on_1, on_2 = (runs[n]['summary']['loss_curve'] for n in ('chain_on_1', 'chain_on_2'))
     assert on_1['steps'] == [0, 1, 2, 3] and on_1['train_loss'][:2] == full['train_loss'][:2]
@@ -498,8 +504,8 @@ def test_sharded_checkpoint_resumes_at_other_world_sizes(runs):
     for got, steps in ((on_1, (2, 3)), (on_2, (4, 5))):
         diff = [abs(got['train_loss'][s] - full['train_loss'][s]) for s in steps]
         print('steps', steps, '|resumed - uninterrupted| train loss:', diff)
-        assert max(diff) <= LOSS_ATOL, (steps, [got['train_loss'][s] for s in steps], [full['train_loss'][s] for s in steps])
-    assert on_2['val_steps'][-1] == 6 and abs(on_2['val_loss'][-1] - full['val_loss'][-1]) <= LOSS_ATOL  # 2 ranks: same eval batches
+        assert max(diff) <= CHAIN_ATOL, (steps, [got['train_loss'][s] for s in steps], [full['train_loss'][s] for s in steps])
+    assert on_2['val_steps'][-1] == 6 and abs(on_2['val_loss'][-1] - full['val_loss'][-1]) <= CHAIN_ATOL  # 2 ranks: same eval batches
     assert full['train_loss'][-1] < full['train_loss'][0] - 1  # it trains
     files = lambda name: sorted(f for f in os.listdir(os.path.join(runs['dir'], name, 'ckpt.dcp')) if f.endswith('.distcp'))  # noqa: E731
     assert files('chain_part') == ['__0_0.distcp', '__1_0.distcp'] and files('chain_on_1') == ['__0_0.distcp']

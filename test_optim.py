@@ -801,7 +801,7 @@ def adamw_grid(tmp_path_factory):
     import ctypes
     import shutil
     import subprocess
-    from test_kernels import EMU_CPP, KERNELS_CU
+    from test_kernels_host import EMU_CPP, KERNELS_CU
     if shutil.which("g++") is None:
         pytest.skip("g++ not installed")
     d = tmp_path_factory.mktemp("adamw_grid")

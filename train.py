@@ -148,8 +148,6 @@ def check_config():
     if recipe == 'float8' and importlib.util.find_spec('torchao') is None:
         raise configurator.ConfigError("recipe 'float8' is torchao's float8 training, and torchao is not "
                                        "installed: pip install torchao")
-    if device.startswith('cuda') and not torch.cuda.is_available():
-        raise configurator.ConfigError(f'device={device!r}, but torch finds no CUDA device here: use --device=cpu')
     try:  # ns_precision / optimizer_states against the optimizer, before any model is built
         optim.build(torch.nn.Linear(16, 16), optimizer, ns=ns_precision or None, states=optimizer_states or None)
     except ValueError as e:
@@ -165,6 +163,8 @@ def check_config():
     if cuda_graph and recompute != 'none':
         raise configurator.ConfigError(f"cuda_graph=True with recompute={recompute!r}: the recompute's checkpoint "
                                        "saves and restores the GPU's RNG state, which a CUDA graph capture forbids")
+    if device.startswith('cuda') and not torch.cuda.is_available():
+        raise configurator.ConfigError(f'device={device!r}, but torch finds no CUDA device here: use --device=cpu')
     if lr_decay_iters > 0 and warmup_iters > lr_decay_iters:
         raise configurator.ConfigError(f'warmup_iters={warmup_iters} is longer than lr_decay_iters={lr_decay_iters}')
     problem = shape_problem(model_size, n_kv_head, recipe, batch_size, block_size)
