@@ -902,11 +902,11 @@ def sr_mismatches(quantize_fn, device):
 
 def _check_kernel(family):
     def run(device):
-        x, bad = quant_probe(), []
-        cases = {"quantize": QUANT_CASES, "sr": [], "dequantize": QUANT_CASES[:3],
-                 "requantize": SR_CASES, "fold": QUANT_CASES[:1], "rotate_back": QUANT_CASES[1:2]}[family]
         if family == "sr":
             return sr_mismatches(kernels.quantize, device)
+        x, bad = quant_probe(), []
+        cases = {"quantize": QUANT_CASES, "dequantize": QUANT_CASES[:3], "requantize": SR_CASES,
+                 "fold": QUANT_CASES[:1], "rotate_back": QUANT_CASES[1:2]}[family]
         for fmt, o in map(quant_args, cases):
             bad += _kernel_case(family, quantize(x, fmt, **o), fmt, o, x, device)
         return bad

@@ -1,5 +1,5 @@
 """
-Tests for configurator.py: the override mechanism and the rules every config key must satisfy,
+Tests for C.py: the override mechanism and the rules every config key must satisfy,
 and train.py's table of them (train.RULES): each value a user can type either trains one tiny step
 or stops with one line.
 
@@ -14,7 +14,7 @@ import hypothesis as hyp
 import pytest
 from hypothesis import given, strategies as st
 
-import configurator
+
 import configurator as C
 import train
 from test_train import write_corpus
@@ -68,7 +68,7 @@ def test_type_mismatch_from_the_command_line():
 
 def test_every_key_has_a_rule_and_the_defaults_keep_it():
     assert set(train.RULES) == set(train.DEFAULTS)
-    configurator.check(train.DEFAULTS, train.RULES)
+    C.check(train.DEFAULTS, train.RULES)
 
 
 @pytest.mark.parametrize('key', sorted(train.RULES))
@@ -79,15 +79,15 @@ def test_a_value_outside_each_rule_is_refused_naming_the_key(key):
     bad += [math.nan] if rule.kind is float else []
     bad += ['\x00'] if rule.kind is str and rule.problem('\x00') else []
     for value in bad:
-        with pytest.raises(configurator.ConfigError, match=f'^{key}='):
-            configurator.check(dict(train.DEFAULTS, **{key: value}), train.RULES)
+        with pytest.raises(C.ConfigError, match=f'^{key}='):
+            C.check(dict(train.DEFAULTS, **{key: value}), train.RULES)
 
 
 @pytest.mark.parametrize('flag', ['--batch_size=0', '--eval_interval=0', '--seed=-1', '--max_iters=-5',
                                   '--eval_iters=0'])
 def test_bad_values_stop_before_any_work(tmp_path, flag):
     """The values that once reached a traceback or a run that claimed success: one line, nothing written."""
-    with pytest.raises(configurator.ConfigError) as e:
+    with pytest.raises(C.ConfigError) as e:
         train.main([f'--out_dir={tmp_path}/out', '--device=cpu', flag])
     assert flag[2:].split('=')[0] in str(e.value) and '\n' not in str(e.value)
     assert not (tmp_path / 'out').exists()
@@ -135,7 +135,7 @@ def test_config_fuzz_runs_or_says_one_line(tmp_path_factory, data):
     os.chdir(tmp)  # a random relative out_dir lands here
     try:
         summary = train.main(argv)
-    except configurator.ConfigError as e:
+    except C.ConfigError as e:
         assert '\n' not in str(e) and key in str(e), f'{flag}: {e}'
         return
     except SystemExit as e:
