@@ -14,7 +14,6 @@ import hypothesis as hyp
 import pytest
 from hypothesis import given, strategies as st
 
-
 import configurator as C
 import train
 from test_train import write_corpus
