@@ -14,7 +14,10 @@ repository shadows Hugging Face's `kernels` package, which transformers (a requi
 export_hf.py) imports: `from transformers import LlamaForCausalLM` then fails from this folder.
 The importers read it as `import cuda_kernels as kernels`.
 """
+import atexit
+import dataclasses
 import functools
+import math
 import os
 
 import torch
@@ -68,11 +71,22 @@ def _kernel_function(device_index, name):
             return module.get_function(name)
 
 
+# Compute capabilities with an arch-specific target (sm_XXa): its features (Hopper's wgmma,
+# Blackwell's cvt.rs SR encode behind __CUDA_ARCH_FEAT_SM100_ALL) exist only when compiled for it.
+ARCH_SPECIFIC = ("90", "100", "101", "103", "110", "120", "121")
+
+
+def nvrtc_arch(cc):
+    """NVRTC's target for a device of compute capability cc ('90', '89', ...): 'sm_90a' where an
+    arch-specific target exists, else 'sm_89' and the like."""
+    return f"sm_{cc}a" if str(cc) in ARCH_SPECIFIC else f"sm_{cc}"
+
+
 def _nvrtc_function(cp, code, name, device_index):
     from cupy.cuda import function
     from cupy_backends.cuda.libs import nvrtc
     import hashlib
-    arch = f"--gpu-architecture=sm_{cp.cuda.Device(device_index).compute_capability}"
+    arch = f"--gpu-architecture={nvrtc_arch(cp.cuda.Device(device_index).compute_capability)}"
     include = os.path.join(cp.cuda.get_cuda_path() or "/usr/local/cuda", "include")
     key = hashlib.sha1("\0".join((code, name, arch, nvrtc.getVersion().__repr__()) + _NVRTC_OPTIONS).encode()).hexdigest()
     cache = os.path.join(os.environ.get("FP4_KERNEL_CACHE", os.path.expanduser("~/.cache/fp4-kernels")), key)
@@ -108,11 +122,27 @@ def _nvrtc_function(cp, code, name, device_index):
     return module.get_function(lowered)
 
 
+@atexit.register
+def _unload():
+    """Drop the compiled modules and stream handles while the interpreter is whole: left to its
+    teardown, CuPy's module destructors ran after their driver bindings were gone and printed a
+    screen of "moduleUnload ... 'NoneType' object is not callable" tracebacks at every exit."""
+    global LAUNCH_LOG
+    LAUNCH_LOG = None
+    _kernel_function.cache_clear()
+    _cupy_stream.cache_clear()
+    import gc
+    gc.collect()
+
+
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what inductor uses
 
 
 def launch(device, name, grid, block, args):
-    """Launch on torch's current stream of `device`; args are numpy scalars (pointers as uint64)."""
+    """Launch on torch's current stream of `device`; args are numpy scalars (pointers as uint64),
+    each tensor's taken through `_arg` by the launcher, which checked it against `device`."""
+    if device.type != "cuda":
+        raise ValueError(f"{name}: kernels.cu launches on a CUDA device, got {device}")
     current = torch.cuda.current_device()
     index = device.index if device.index is not None else current
     fn = _kernel_function(index, name)
@@ -138,6 +168,44 @@ def _cupy_stream(ptr, index):
 def _ptr(t):
     import numpy as np
     return np.uint64(0 if t is None else t.data_ptr())
+
+
+def _arg(kernel, name, t, device, dtype, rows, cols, align=16):
+    """The pointer a kernel gets for its argument `name`, after checking on the host what the
+    kernel assumes of it: a tensor on the launch device, of `dtype`, contiguous, `align`-byte
+    aligned (the kernels' vector loads), holding `rows` x `cols` elements in that layout (last dim
+    `cols`; a transposed layout of the same size has another last dim). A raw pointer carries
+    none of this: a wrong argument would be read or written out of bounds and poison the CUDA
+    context of the whole process, so a mismatch raises here, naming the argument."""
+    where = f"{kernel}: argument {name!r}"
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{where} must be a tensor, got {type(t).__name__}")
+    if t.device != device:
+        raise ValueError(f"{where} is on {t.device}, the launch on {device}")
+    if t.dtype != dtype:
+        raise ValueError(f"{where} must be {dtype}, got {t.dtype}")
+    if t.numel() != rows * cols or (t.ndim and t.shape[-1] != cols):
+        raise ValueError(f"{where} must hold ({rows}, {cols}) elements, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{where} must be contiguous, got strides {t.stride()}")
+    if t.data_ptr() % align:
+        raise ValueError(f"{where} must be {align}-byte aligned, got address {t.data_ptr():#x}")
+    return _ptr(t)
+
+
+def _dense(kernel, t):
+    """t's dtype where the kernels read it as dense input (SRC 0-2), else a ValueError."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{kernel}: dense input must be a float32, bfloat16 or float16 tensor, got "
+                         f"{getattr(t, 'dtype', type(t).__name__)}")
+    return t.dtype
+
+
+def _dims(kernel, **dims):
+    """Sizes passed as the kernels' u32 arguments: positive and below 2^32."""
+    for name, n in dims.items():
+        if not 0 < n < 1 << 32:
+            raise ValueError(f"{kernel}: {name} = {n} is outside the kernel's 32-bit range")
 
 
 def _aligned(t):
@@ -171,8 +239,7 @@ def _rng_args(signs, seed, device):
     passes its tensor and its offset (the kernel adds them and derives key0); formats.DeviceSigns pass
     has_signs = 2 and their seed's offset in word 0 (the kernel derives the words)."""
     if isinstance(seed, formats.DeviceSeed):
-        if seed.t.device != device:
-            raise ValueError(f"formats.DeviceSeed on {seed.t.device}, tensor on {device}")
+        _arg("quantize", "DeviceSeed", seed.t, device, torch.int32, 1, seed.t.numel(), align=4)
         if isinstance(signs, formats.DeviceSigns):
             if signs.seed.t is not seed.t:
                 raise ValueError("formats.DeviceSigns must share the formats.DeviceSeed's tensor")
@@ -234,7 +301,8 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
     lanes = 4 if nv and g_size == 128 and layout == "quad" else 1
     if lanes == 4 and kind == "rows" and 4 * r * (k // 128) >= 1 << 31 and "FP4_NV128_ROWS" not in os.environ:
         lanes = 1  # past the quad kernel's 32-bit chunk indices: the one-thread layout, unless asked for quad
-    src_kind = _SRC_KIND[src.dtype] if qin is None else _SRC_KIND[qin.fmt]
+    src_kind = _SRC_KIND[_dense("quantize", src)] if qin is None else _SRC_KIND[qin.fmt]
+    src_ptrs = _quant_inputs(kind, src, qin, r, k, g_size)
     codes = torch.empty(rows, kq // 2, dtype=torch.uint8, device=dev)
     scales = torch.empty(rows, kq // bs, dtype=torch.uint8, device=dev)
     mask = torch.empty(rows, kq // 8, dtype=torch.uint8, device=dev) if scale_rule == "quest" else None
@@ -260,7 +328,7 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
             grid, block = (min(-(-n // 256), _MX_ROWS_CTAS_PER_SM * _sm_count(dev.index)),), (256,)
         else:
             grid, block = (min(-(-n // 256), 1 << 20),), (256,)
-        head = (_ptr(src), np.uint32(r), np.uint32(k))
+        head = (src_ptrs[0], np.uint32(r), np.uint32(k))
     else:
         ntiles = -(-k // 32) * -(-r // _TILE_R)
         if ntiles >= 1 << 31:
@@ -269,8 +337,7 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
         # a CTA, registers decide the residency) one CTA a tile
         ctas = min(ntiles, _COLS_CTAS_PER_SM * _sm_count(dev.index)) if g_size == 32 else ntiles
         grid, block = (ctas,), (4 * 32 if lanes == 4 else 32 * _TILE_R // g_size,)  # quad: 4 lanes a column
-        head = (_ptr(src), _ptr(None if qin is None else qin.scales),
-                _ptr(None if qin is None else qin.tensor_scale), np.uint32(r), np.uint32(k))
+        head = src_ptrs + (np.uint32(r), np.uint32(k))
     hs = np.float32(formats._hadamard_scale(hadamard) if hadamard else 0.0)
 
     def args(pass_, g_):
@@ -286,6 +353,27 @@ def _quant_launch(kind, src, qin, r, k, fmt, scale_rule, rounding, hadamard, sig
         g = tensor_scale_of(amax)
     launch(dev, name, grid, block, args(0, g))
     return codes, scales, g, mask, None
+
+
+def _quant_inputs(kind, src, qin, r, k, g_size):
+    """The checked input pointers of quant_rows / quant_cols: (src) for rows, (src or codes, scales,
+    tensor scale) for cols. Rows: src (r, k) dense, groups of g_size along k; cols: the (r, k) input
+    quantized along r (groups of g_size rows), dense or a QTensor's (r, k/2) codes + scales."""
+    name = "quant_rows" if kind == "rows" else "quant_cols"
+    _dims(name, rows=r, cols=k)
+    quantized = k if kind == "rows" else r
+    if quantized % g_size:
+        raise ValueError(f"{name}: the quantized dim {quantized} is not a multiple of the kernel's group {g_size}")
+    dev = src.device
+    if qin is None:
+        p = _arg(name, "src", src, dev, _dense(name, src), r, k)
+        return (p,) if kind == "rows" else (p, _ptr(None), _ptr(None))
+    bs = formats.FORMATS[qin.fmt]
+    if k % bs:
+        raise ValueError(f"{name}: the QTensor input's K = {k} is not a multiple of its block {bs}")
+    ts = None if qin.fmt == "mxfp4" else _arg(name, "tensor_scale", qin.tensor_scale, dev, torch.float32, 1, 1, align=4)
+    return (_arg(name, "codes", qin.codes, dev, torch.uint8, r, k // 2),
+            _arg(name, "scales", qin.scales, dev, torch.uint8, r, k // bs, align=4), ts if ts is not None else _ptr(None))
 
 
 def tensor_scale_of(amax):
@@ -350,6 +438,11 @@ def _quant_rows_fold(src, r, k, scale_rule, rounding, hadamard, signs, seed):
     CTA holds whole rows (k / 32 threads a row, rounded up to a warp)."""
     import numpy as np
     dev = src.device
+    name = f"quant_rows_fold<{_SRC_KIND[_dense('quant_rows_fold', src)]}, {RULE_ID[scale_rule]}, {ROUND_ID[rounding]}>"
+    _dims(name, rows=r, cols=k)
+    if k % 32 or k // 32 > 1024:
+        raise ValueError(f"{name}: K = {k} must be a multiple of 32 and at most 32768 (a CTA holds whole rows)")
+    src_ptr = _arg(name, "src", src, dev, src.dtype, r, k)
     tpr = -(-(k // 32) // 32) * 32
     rpc = max(1, 256 // tpr)
     codes = torch.empty(r, k // 2, dtype=torch.uint8, device=dev)
@@ -359,11 +452,10 @@ def _quant_rows_fold(src, r, k, scale_rule, rounding, hadamard, signs, seed):
     rowscale = torch.empty(r, dtype=torch.float32, device=dev)
     has_signs, signw, seed_arg, key0, dseed = _rng_args(signs, seed, dev)
     hs = np.float32(formats._hadamard_scale(hadamard) if hadamard else 0.0)
-    name = f"quant_rows_fold<{_SRC_KIND[src.dtype]}, {RULE_ID[scale_rule]}, {ROUND_ID[rounding]}>"
     # about one resident wave (64 registers a thread: 1024 threads an SM), looping over row groups
     grid = min(-(-r // rpc), max(1, 1024 // (tpr * rpc)) * _sm_count(dev.index))
     launch(dev, name, (grid,), (tpr, rpc),
-            (_ptr(src), np.uint32(r), np.uint32(k), np.int32(hadamard), hs, np.int32(has_signs),
+            (src_ptr, np.uint32(r), np.uint32(k), np.int32(hadamard), hs, np.int32(has_signs),
              *(np.uint32(w) for w in signw), np.uint32(seed_arg), np.uint32(key0), _ptr(dseed),
              _ptr(codes), _ptr(scales), _ptr(mask), _ptr(f8), _ptr(rowscale)))
     return codes, scales, None, mask, (f8.view(torch.float8_e4m3fn), rowscale)
@@ -392,16 +484,39 @@ def dequantize(q, dtype):
     """fp4.dequantize through the dequant kernel (f32, bf16, f16 written directly)."""
     import numpy as np
     lead = q.lead_shape
-    k = lead[-1]
-    r = q.codes.numel() * 2 // k
+    k, r = lead[-1], math.prod(lead[:-1])
     out_kind = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)
+    name = f"dequant<{out_kind}>"
+    codes, scales, ts = _qtensor_args(name, _packed(q), r, k, 8)  # a thread decodes 8 codes (one u32)
     out = torch.empty(lead, dtype=dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32,
                       device=q.codes.device)
     n = r * k // 8
-    launch(q.codes.device, f"dequant<{out_kind}>", (min(-(-n // 256), 1 << 20),), (256,),
-            (_ptr(q.codes.contiguous()), _ptr(q.scales.contiguous()), _ptr(q.tensor_scale), np.uint32(r),
-             np.uint32(k), np.int32(q.fmt == "nvfp4"), _ptr(out)))
+    launch(q.codes.device, name, (min(-(-n // 256), 1 << 20),), (256,),
+            (codes, scales, ts, np.uint32(r), np.uint32(k), np.int32(q.fmt == "nvfp4"), _ptr(out)))
     return out.movedim(-1, q.axis).to(dtype)
+
+
+def _packed(q):
+    """q with contiguous 16-byte aligned codes and contiguous scales, copied only where needed."""
+    if _aligned(q.codes) and q.scales.is_contiguous():
+        return q
+    return dataclasses.replace(q, codes=q.codes.contiguous().clone(), scales=q.scales.contiguous())
+
+
+def _qtensor_args(name, q, r, k, k_multiple):
+    """Checked pointers to a QTensor's codes (r, k/2), scales (r, k/block) and tensor scale (NVFP4:
+    one FP32; MXFP4: none) on the codes' device, for a kernel that wants k a multiple of k_multiple."""
+    _dims(name, rows=r, cols=k)
+    if q.fmt not in formats.FORMATS:
+        raise ValueError(f"{name}: unknown format {q.fmt!r}")
+    bs = formats.FORMATS[q.fmt]
+    if k % max(bs, k_multiple):
+        raise ValueError(f"{name}: K = {k} is not a multiple of {max(bs, k_multiple)}")
+    dev = q.codes.device
+    ts = (_arg(name, "tensor_scale", q.tensor_scale, dev, torch.float32, 1, 1, align=4) if q.fmt == "nvfp4"
+          else _ptr(None))
+    return (_arg(name, "codes", q.codes, dev, torch.uint8, r, k // 2, align=4),
+            _arg(name, "scales", q.scales, dev, torch.uint8, r, k // bs, align=1), ts)
 
 
 def requantize(q, fmt, scale_rule, rounding, hadamard, signs, seed):
@@ -410,8 +525,7 @@ def requantize(q, fmt, scale_rule, rounding, hadamard, signs, seed):
     checked the options."""
     axis = 1 - q.axis
     r_in, k_in = q.lead_shape  # the input layout; the output's quantized axis is r_in (== k)
-    src = q if q.codes.is_contiguous() and q.scales.is_contiguous() else formats.QTensor(
-        q.codes.contiguous(), q.scales.contiguous(), q.tensor_scale, q.fmt, q.shape, q.axis, q.mask)
+    src = _packed(q)
     codes, scales, g, mask, _ = _quant_launch("cols", src.codes, src, r_in, k_in, fmt, scale_rule, rounding,
                                               hadamard, signs, seed, False)
     return formats.QTensor(codes, scales, g, fmt, tuple(q.shape), axis, mask)
@@ -420,24 +534,79 @@ def requantize(q, fmt, scale_rule, rounding, hadamard, signs, seed):
 def fold(q):
     """fp4.fold_mx through the fold_mx kernel (one warp per row: row max of block exponents)."""
     import numpy as np
+    if q.fmt != "mxfp4":
+        raise ValueError(f"fold_mx: folds MXFP4 QTensors, got {q.fmt}")
     k = q.lead_shape[-1]
-    r = q.codes.numel() * 2 // k
+    r = math.prod(q.lead_shape[:-1])
+    codes, scales, _ = _qtensor_args("fold_mx", _packed(q), r, k, 32)
     elems = torch.empty(r, k, dtype=torch.uint8, device=q.codes.device)
     rows = torch.empty(r, dtype=torch.float32, device=q.codes.device)
     launch(q.codes.device, "fold_mx", (min(-(-r // 8), 1 << 16),), (256,),
-            (_ptr(q.codes.contiguous()), _ptr(q.scales.contiguous()), np.uint32(r), np.uint32(k), _ptr(elems), _ptr(rows)))
+            (codes, scales, np.uint32(r), np.uint32(k), _ptr(elems), _ptr(rows)))
     return elems.view(torch.float8_e4m3fn), rows
 
 
 def rotate_back(d, mask, n):
     """fp4._rotate_back through the rotate_back kernel: mask, Hadamard-n, rounding to d's dtype."""
     import numpy as np
+    name = f"rotate_back<{_SRC_KIND[_dense('rotate_back', d)]}, {n}>"
+    if n not in (32, 64, 128):
+        raise ValueError(f"{name}: the Hadamard size must be 32, 64 or 128 (a thread's mask words), got {n}")
+    if d.ndim < 1 or d.shape[-1] % n:
+        raise ValueError(f"{name}: the gradient's last dim must be a multiple of {n}, got shape {tuple(d.shape)}")
     k = d.shape[-1]
     r = d.numel() // k
+    _dims(name, rows=r, cols=k)
     src = d if _aligned(d) else d.contiguous().clone()
-    mask = mask.contiguous()
+    # the clip mask in the QTensor layout of the forward's quantize: (.., K/8), bit i of byte j
+    # is element 8j + i of the row (formats.QTensor), on the gradient's device
+    mask_ptr = _arg(name, "mask", mask, d.device, torch.uint8, r, k // 8, align=4)
     out = torch.empty(d.shape, dtype=d.dtype, device=d.device)
     groups = r * (k // n)
-    launch(d.device, f"rotate_back<{_SRC_KIND[d.dtype]}, {n}>", (min(-(-groups // 256), 1 << 20),), (256,),
-            (_ptr(src), _ptr(mask), np.uint32(r), np.uint32(k), np.float32(formats._hadamard_scale(n)), _ptr(out)))
+    launch(d.device, name, (min(-(-groups // 256), 1 << 20),), (256,),
+            (_arg(name, "d", src, d.device, d.dtype, r, k), mask_ptr, np.uint32(r), np.uint32(k),
+             np.float32(formats._hadamard_scale(n)), _ptr(out)))
     return out
+
+
+_ADAMW_SCALARS = ("b1", "omb1", "b2", "omb2", "clamp", "bc2_sqrt", "eps", "neg_step", "decay")
+
+
+def adamw_nvfp4(p, grad, m, v, hadamard, rounding_m, rounding_v, c, mean, seeds):
+    """optim's AdamW step with NVFP4 states (SPEC 8.1) through kernels.cu's adamw_nvfp4, launched
+    twice: pass 1 the new states' amaxes, pass 0 everything else. p and grad: FP32 (R, K); m, v:
+    optim's packed states (codes (R, K/2), scales (R, K/16), an FP32 tensor scale; v's 'mean'
+    (R, K/128) when mean is True), updated in place; c: optim._nvfp4_scalars; seeds: (m's, v's)
+    SR seeds. Returns the two new tensor scales (2,) FP32 on p's device."""
+    import numpy as np
+    h = hadamard
+    e = 32 if mean or h >= 32 else 16  # elements a thread (kernels.cu's adamw_elems)
+    name = (f"adamw_nvfp4<{h}, {int(rounding_m == 'sr')}, {int(rounding_v == 'sr')}, "
+            f"{str(math.isfinite(c['clamp'])).lower()}, {str(bool(mean)).lower()}>")
+    if h not in (0, 16, 32, 64, 128):
+        raise ValueError(f"{name}: Hadamard size {h} is not 0, 16, 32, 64 or 128")
+    block = max(16, e, h, 128 if mean else 0)  # whole NVFP4, thread, Hadamard and mean blocks a row
+    if not isinstance(p, torch.Tensor) or p.ndim < 2 or p.shape[-1] % block:
+        raise ValueError(f"{name}: the parameter must be 2-D or more with a last dim divisible by {block}, "
+                         f"got shape {tuple(getattr(p, 'shape', ()))}")
+    dev, k = p.device, p.shape[-1]
+    r = p.numel() // k
+    _dims(name, rows=r, cols=k, threads=p.numel() // e)
+    f32, u8 = torch.float32, torch.uint8
+
+    def state(s, what):
+        return (_arg(name, what + " codes", s["codes"], dev, u8, r, k // 2, align=4),
+                _arg(name, what + " scales", s["scales"], dev, u8, r, k // 16, align=1),
+                _arg(name, what + " tensor_scale", s["tensor_scale"], dev, f32, 1, 1, align=4))
+
+    vmean = _arg(name, "exp_avg_sq mean", v["mean"], dev, f32, r, k // 128, align=4) if mean else _ptr(None)
+    head = (_arg(name, "param", p, dev, f32, r, k), _arg(name, "grad", grad, dev, f32, r, k),
+            np.uint32(p.numel() // e), np.uint32(k), *state(m, "exp_avg"), *state(v, "exp_avg_sq"), vmean,
+            *(np.float32(c[s]) for s in _ADAMW_SCALARS), np.float32(formats._hadamard_scale(h) if h else 0.0),
+            np.uint32(seeds[0]), np.uint32(formats.hash_key(seeds[0])), np.uint32(seeds[1]),
+            np.uint32(formats.hash_key(seeds[1])))
+    amax = torch.zeros(2, dtype=torch.int32, device=dev)
+    g_new = torch.empty(2, dtype=torch.float32, device=dev)
+    for pass_ in (1, 0):
+        launch(dev, name, (-(-(p.numel() // e) // 256),), (256,), head + (np.int32(pass_), _ptr(amax), _ptr(g_new)))
+    return g_new

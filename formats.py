@@ -368,8 +368,9 @@ def _check_input(x):
 # Fixed probe inputs of the self-checks (selfcheck.py): small, where a layout error shows
 
 def mm_probe(fmt, k=256):
-    """Fixed operands a (136, k), b (72, k) where a layout error hides: rows padded to 128-row scale
-    tiles and several 4-column tiles, every nibble value (-0 too), scales varying inside a tile, a
+    """Fixed operands a (144, k), b (80, k) where a layout error hides: rows padded to 128-row scale
+    tiles (every dim a multiple of 16, as torch._scaled_mm and the native path demand: fp4.mm_refusals)
+    and several 4-column tiles, every nibble value (-0 too), scales varying inside a tile, a
     NaN block scale, NVFP4 tensor scales. Values code * scale with scales in [2^-1, 4]: every
     product and partial sum is exact in FP32 (< 24 bits), so any summation order gives the same bits."""
     g = torch.Generator().manual_seed(7)
@@ -385,14 +386,17 @@ def mm_probe(fmt, k=256):
         tscale = None if fmt == "mxfp4" else torch.tensor(ts)
         return QTensor(codes, scales, tscale, fmt, (rows, k), 1)
 
-    a, b = operand(136, 0.25), operand(72, 2.0)
+    a, b = operand(144, 0.25), operand(80, 2.0)
     a.scales[5, 1] = E8M0_NAN if fmt == "mxfp4" else E4M3_NAN  # row 5 of the product: NaN
     return a, b
 
 
 def to_device(q, device):
-    ts = None if q.tensor_scale is None else q.tensor_scale.to(device)
-    return QTensor(q.codes.to(device), q.scales.to(device), ts, q.fmt, q.shape, q.axis, q.mask)
+    """q with every tensor on `device`: codes, scales, tensor scale and clip mask (a kernel given
+    a pointer to another device's memory reads out of bounds)."""
+    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    folded = None if q.folded is None else tuple(move(t) for t in q.folded)
+    return QTensor(move(q.codes), move(q.scales), move(q.tensor_scale), q.fmt, q.shape, q.axis, move(q.mask), folded)
 
 
 def quant_probe():

@@ -368,14 +368,45 @@ def mm(a, b, out_dtype=torch.bfloat16, backend=None):
     _check_mm(a, b)
     if backend is None:  # the default is self-checked on first use; a backend asked for runs as asked
         backend = checked_backend(mm_backend(a.fmt, a.codes.device), a.codes.device)
+        while mm_refusals(backend, a, b, out_dtype):  # operands it would refuse: its exact fallback
+            backend = _MM_FALLBACK[backend]
     if backend not in MM_BACKENDS:
         raise ValueError(f"unknown mm backend {backend!r}; allowed: {MM_BACKENDS}")
+    refused = mm_refusals(backend, a, b, out_dtype)
+    if refused:
+        raise ValueError(f"mm backend {backend!r} cannot take these operands: {'; '.join(refused)}")
     if backend == "emulated":  # the definition: FP32 values, an FP32 GEMM (never TF32)
         with ieee_fp32(a.codes.device):
             return (_dequantize_lead(a) @ _dequantize_lead(b).t()).to(out_dtype)
     if not a.codes.is_cuda and backend != "bf16":
         raise ValueError(f"mm backend {backend!r} needs CUDA tensors; use 'emulated' or 'bf16' on the CPU")
     return {"bf16": _mm_bf16, "fp8": _mm_fp8, "native": _mm_native}[backend](a, b, out_dtype)
+
+
+def mm_refusals(backend, a, b, out_dtype, cc=None):
+    """What `backend` would refuse in mm(a, b): the libraries' own rules, stated here and checked
+    before any call, so that neither a self-check probe nor a training shape reaches a GEMM that
+    raises or reads out of bounds. cc: the device's compute capability (read from a's device if
+    None). An empty list: the backend takes them."""
+    if backend in ("emulated", "bf16") or (backend == "fp8" and a.fmt != "mxfp4"):
+        return []  # torch.mm takes any shape (fp8 sends NVFP4 to the bf16 backend)
+    (m, k), n = a.lead_shape, b.lead_shape[0]
+    # torch._scaled_mm's own checks: mat1 (M, K) with K % 16, mat2 (K, N) with K % 16 and N % 16
+    # (16-byte leading dims). FP4 operands pack 2 codes a byte, so their K needs 32; M % 16 is asked
+    # of the native path too, a margin (not run on Blackwell here) that costs training nothing: its
+    # dims are multiples of 32 (_dim_multiple). The block scales are padded to 128x4 tiles by
+    # swizzle_scales, so M and N need no more.
+    need = {"fp8": 16, "native": 32}[backend]
+    out = [f"K = {k} is not a multiple of {need}"] if k % need else []
+    dims = (("M", m), ("N", n)) if backend == "native" else (("N", n),)
+    out += [f"{name} = {d} is not a multiple of 16" for name, d in dims if d % 16]
+    if backend == "fp8" and out_dtype not in (torch.bfloat16, torch.float16):
+        # row-wise scales with an FP32 output exist only through cuBLASLt on sm_90; torch's
+        # CUTLASS row-wise kernel elsewhere (sm_89, sm_100) writes BF16/FP16 alone
+        cc = cc or (_capability(a.codes.device.index or 0) if a.codes.is_cuda else (9, 0))
+        if cc != (9, 0):
+            out.append(f"a {out_dtype} output with row-wise scales needs sm_90, not sm_{cc[0]}{cc[1]}")
+    return out
 
 
 def _check_mm(a, b):
@@ -487,6 +518,9 @@ def _mm_fp8(a, b, out_dtype):
     """Hopper: MXFP4 folded into E4M3 + FP32 row scales, row-wise scaled FP8 GEMM (SPEC 7)."""
     if a.fmt != "mxfp4":
         return _mm_bf16(a, b, out_dtype)
+    refused = mm_refusals("fp8", a, b, out_dtype)
+    if refused:
+        raise ValueError(f"mm backend 'fp8' cannot take these operands: {'; '.join(refused)}")
     a8, sa = fold_mx(a)
     b8, sb = fold_mx(b)
     return torch._scaled_mm(a8, b8.t(), scale_a=sa.unsqueeze(1), scale_b=sb.unsqueeze(0),
@@ -509,6 +543,9 @@ def native_args(a, b):
 
 def _mm_native(a, b, out_dtype):
     """Blackwell (sm_100 / sm_120) native FP4 GEMM. Not run on hardware here: python -m fp4 check verifies it (docs/numerics.md)."""
+    refused = mm_refusals("native", a, b, out_dtype)
+    if refused:
+        raise ValueError(f"mm backend 'native' cannot take these operands: {'; '.join(refused)}")
     y = torch.nn.functional.scaled_mm(**native_args(a, b), output_dtype=torch.float32)
     if a.fmt == "nvfp4":
         y = y * (a.tensor_scale * b.tensor_scale)
@@ -865,13 +902,23 @@ def _mm_check(backend):
         bad = []
         for fmt in ("mxfp4", "nvfp4"):
             a, b = mm_probe(fmt)
+            ad, bd = to_device(a, device), to_device(b, device)
             if backend == "emulated":
                 want = (_dequantize_lead(a).double() @ _dequantize_lead(b).double().t()).float()
-                got = mm(to_device(a, device), to_device(b, device), torch.float32, backend="emulated")
-            else:  # the backend function is looked up now: tests swap in stand-ins
-                want = mm(a, b, torch.float32, backend="emulated")
-                got = {"bf16": _mm_bf16, "fp8": _mm_fp8, "native": _mm_native}[backend](to_device(a, device), to_device(b, device), torch.float32)
-            bad += selfcheck.mismatches(got, want, f"{backend} {fmt} ")
+                bad += selfcheck.mismatches(mm(ad, bd, torch.float32, backend="emulated"), want, f"emulated {fmt} ")
+                continue
+            # training's BF16 output, and FP32 where the backend has it (fp8: sm_90 only)
+            for out_dtype in (torch.bfloat16, torch.float32):
+                refused = mm_refusals(backend, ad, bd, out_dtype)
+                if refused and out_dtype == torch.float32 and all("output" in r for r in refused):
+                    continue
+                if refused:  # a probe the backend refuses checks nothing (test_selfcheck holds this)
+                    bad.append(f"{backend} {fmt}: the probe breaks the backend's rules: {'; '.join(refused)}")
+                    continue
+                want = mm(a, b, out_dtype, backend="emulated")
+                # the backend function is looked up now: tests swap in stand-ins
+                got = {"bf16": _mm_bf16, "fp8": _mm_fp8, "native": _mm_native}[backend](ad, bd, out_dtype)
+                bad += selfcheck.mismatches(got, want, f"{backend} {fmt} {str(out_dtype)[6:]} ")
         return bad
     return run
 

@@ -459,8 +459,9 @@ def adamw_nvfp4_reference(p, m, v, c, g=None):
     return m, v
 
 
-# The fused GPU path: kernels.cu's adamw_nvfp4, launched twice per parameter tensor through
-# kernels.launch (pass 1: the new states' amaxes for the NVFP4 tensor scales; pass 0: everything else).
+# The fused GPU path: kernels.cu's adamw_nvfp4, launched twice per parameter tensor by
+# cuda_kernels.adamw_nvfp4 (pass 1: the new states' amaxes for the NVFP4 tensor scales; pass 0:
+# everything else), which checks every argument on the host first.
 
 # fused=None means the kernel wherever it applies; it matches the reference bit for bit in all 12
 # formats on the H200 (test_optim.py's GPU tests; results/README.md).
@@ -491,25 +492,9 @@ def _kernel_device(p):
 
 
 def _adamw_nvfp4_kernel(p, st, group, c, seeds):
-    import numpy as np
     m, v = st["exp_avg"], st["exp_avg_sq"]
-    h = group["hadamard"]
-    mean = v["mean_over"] == "block"
-    e = 32 if mean or h >= 32 else 16  # elements a thread (kernels.cu's E)
-    n = p.numel() // e
-    amax = torch.zeros(2, dtype=torch.int32, device=p.device)
-    g_new = torch.empty(2, dtype=torch.float32, device=p.device)
     rm, rv = _roundings(group)
-    name = (f"adamw_nvfp4<{h}, {int(rm == 'sr')}, {int(rv == 'sr')}, {str(math.isfinite(c['clamp'])).lower()}, "
-            f"{str(mean).lower()}>")
-    ptr = kernels._ptr
-    scalars = [np.float32(c[k]) for k in ("b1", "omb1", "b2", "omb2", "clamp", "bc2_sqrt", "eps", "neg_step", "decay")]
-    head = (ptr(p), ptr(p.grad), np.uint32(n), np.uint32(p.shape[-1]), ptr(m["codes"]), ptr(m["scales"]),
-            ptr(m["tensor_scale"]), ptr(v["codes"]), ptr(v["scales"]), ptr(v["tensor_scale"]),
-            ptr(v["mean"] if mean else None), *scalars, np.float32(formats._hadamard_scale(h) if h else 0.0),
-            np.uint32(seeds[0]), np.uint32(fp4.hash_key(seeds[0])), np.uint32(seeds[1]), np.uint32(fp4.hash_key(seeds[1])))
-    for pass_ in (1, 0):
-        kernels.launch(p.device, name, (-(-n // 256),), (256,), head + (np.int32(pass_), ptr(amax), ptr(g_new)))
+    g_new = kernels.adamw_nvfp4(p, p.grad, m, v, group["hadamard"], rm, rv, c, v["mean_over"] == "block", seeds)
     m["tensor_scale"], v["tensor_scale"] = g_new[0], g_new[1]
     m["rounding"], v["rounding"] = rm, rv  # this step's, as the twin's new states say
 

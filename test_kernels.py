@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
+import formats
 import fp4
 import cuda_kernels as kernels
 from test_formats import fuzz, tensors
@@ -543,3 +544,132 @@ def test_sign_words():
     signs = torch.tensor([1.0, -1.0] * 32 + [-1.0] * 64)
     assert kernels.sign_words(signs) == [0xAAAAAAAA, 0xAAAAAAAA, 0xFFFFFFFF, 0xFFFFFFFF]
     assert kernels.sign_words(torch.tensor([-1.0] + [1.0] * 15)) == [1, 0, 0, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: every launcher checks its arguments on the host, before any launch (the checks fire on
+# CPU tensors: kernels.launch is replaced by a recorder). A wrong pointer handed to a kernel reads
+# out of bounds and poisons the CUDA context for the rest of the process, self-checks included.
+
+@pytest.fixture
+def launches(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels, "launch", lambda device, name, grid, block, args: calls.append(name))
+    monkeypatch.setattr(kernels, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(kernels, "_nv_amax_wave", lambda index, hadamard: 660)
+    return calls
+
+
+def refused(match, fn, *args, launches):
+    """fn(*args) raises a ValueError matching `match` and launched nothing."""
+    before = len(launches)
+    with pytest.raises(ValueError, match=match):
+        fn(*args)
+    assert len(launches) == before
+
+
+def _q(fmt, shape=(64, 128), **kw):
+    return fp4.quantize(torch.randn(*shape), fmt, **kw)
+
+
+def test_launch_refuses_a_non_cuda_device():
+    with pytest.raises(ValueError, match="launches on a CUDA device, got cpu"):
+        kernels.launch(torch.device("cpu"), "dequant<0>", (1,), (256,), ())
+
+
+def test_quantize_launcher_refusals(launches):
+    x = torch.randn(64, 128, dtype=torch.bfloat16)
+    kernels.quantize(x, x, "mxfp4", 1, "absmax", "rn", 0, None, 0, False)
+    kernels.quantize(x, x, "nvfp4", 1, "absmax", "sr", 16, fp4.random_signs(16, 1), 3, False)
+    assert launches, "valid arguments reach the launch"
+    n = len(launches)
+    xi = torch.zeros(64, 128, dtype=torch.int32)
+    refused("dense input must be a float32, bfloat16 or float16 tensor", kernels.quantize, xi, xi, "mxfp4", 1,
+            "absmax", "rn", 0, None, 0, False, launches=launches)
+    x48 = torch.randn(64, 48)
+    refused("quantized dim 48 is not a multiple of the kernel's group 32", kernels.quantize, x48, x48, "mxfp4", 1,
+            "absmax", "rn", 0, None, 0, False, launches=launches)
+    seed = formats.DeviceSeed(torch.zeros(1, dtype=torch.int32, device="meta"))
+    refused("'DeviceSeed' is on meta, the launch on cpu", kernels.quantize, x, x, "mxfp4", 1, "absmax", "sr", 0,
+            None, seed, False, launches=launches)
+    assert len(launches) == n
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_qtensor_launcher_refusals(fmt, launches):
+    """dequantize, requantize and fold take a QTensor: codes, scales and tensor scale on the launch
+    device, in the QTensor layout (codes (R, K/2), scales (R, K/block)), NVFP4 with its tensor scale."""
+    q = _q(fmt)
+    kernels.dequantize(q, torch.float32)
+    kernels.requantize(q, fmt, "absmax", "sr", 0, None, 5)
+    assert len(launches) >= 2
+    bad = {
+        "'scales' must hold \\(64, \\d+\\) elements": dataclasses.replace(q, scales=q.scales.t().contiguous()),
+        "'scales' is on meta, the launch on cpu": dataclasses.replace(q, scales=q.scales.to("meta")),
+        "'codes' must be torch.uint8": dataclasses.replace(q, codes=q.codes.view(torch.int8)),
+        "'scales' must hold": dataclasses.replace(q, scales=q.scales[:32]),
+    }
+    if fmt == "nvfp4":
+        bad["'tensor_scale' must be a tensor"] = dataclasses.replace(q, tensor_scale=None)
+        bad["'tensor_scale' is on meta"] = dataclasses.replace(q, tensor_scale=q.tensor_scale.to("meta"))
+    for match, bq in bad.items():
+        refused(match, kernels.dequantize, bq, torch.float32, launches=launches)
+        refused(match, kernels.requantize, bq, fmt, "absmax", "sr", 0, None, 5, launches=launches)
+    if fmt == "mxfp4":
+        kernels.fold(q)
+        refused("'scales' must hold", kernels.fold, bad["'scales' must hold"], launches=launches)
+    else:
+        refused("fold_mx: folds MXFP4 QTensors, got nvfp4", kernels.fold, q, launches=launches)
+
+
+def test_rotate_back_refuses_a_mask_that_is_not_the_forward_quantize_layout(launches):
+    """The clip mask is the forward quantize's (M, K/8) bit layout, on the gradient's device: a mask
+    left on another device (the self-check's probe did this: an illegal address on the GPU, then a
+    dead CUDA context), transposed, of another dtype or size is refused before the launch."""
+    q = _q("mxfp4", scale_rule="quest", hadamard=32)
+    d = torch.randn(64, 128, dtype=torch.bfloat16)
+    kernels.rotate_back(d, q.mask, 32)
+    assert launches == ["rotate_back<1, 32>"]
+    m = q.mask
+    for match, mask in (("'mask' is on meta, the launch on cpu", m.to("meta")),
+                        ("'mask' must hold \\(64, 16\\) elements, got shape \\(128, 8\\)", _q("mxfp4", (128, 64), scale_rule="quest", hadamard=32).mask),
+                        ("'mask' must be torch.uint8", m.view(torch.int8)),
+                        ("'mask' must hold", m[:32]),
+                        ("'mask' must be contiguous", torch.zeros(16, 64, dtype=torch.uint8).t())):
+        refused(match, kernels.rotate_back, d, mask, 32, launches=launches)
+    refused("the Hadamard size must be 32, 64 or 128", kernels.rotate_back, d, m, 16, launches=launches)
+    refused("must be a multiple of 128", kernels.rotate_back, torch.randn(64, 96), m, 128, launches=launches)
+    refused("dense input must be", kernels.rotate_back, d.int(), m, 32, launches=launches)
+
+
+def test_adamw_launcher_refusals(launches):
+    import optim
+    p = torch.nn.Parameter(torch.randn(33, 128))
+    p.grad = torch.randn(33, 128)
+    opt = optim.AdamW([p], lr=1e-2, state="nvfp4", hadamard=128, mean="block", fused=False, seed=3)
+    opt.step()  # the reference builds the packed states
+    st, group = opt.state[p], opt.param_groups[0]
+    c = optim._nvfp4_scalars(group, 2)
+    m, v = st["exp_avg"], st["exp_avg_sq"]
+    kernels.adamw_nvfp4(p.detach(), p.grad, m, v, 128, "sr", "sr", c, True, (1, 2))
+    assert launches == ["adamw_nvfp4<128, 1, 1, true, true>"] * 2
+    for match, args in (
+            ("'grad' must hold \\(33, 128\\)", (p.detach(), p.grad[:32], m, v)),
+            ("'grad' must be torch.float32", (p.detach(), p.grad.bfloat16(), m, v)),
+            ("'exp_avg codes' is on meta", (p.detach(), p.grad, m | {"codes": m["codes"].to("meta")}, v)),
+            ("'exp_avg_sq mean' must be a tensor", (p.detach(), p.grad, m, v | {"mean": None})),
+            ("'exp_avg_sq scales' must hold", (p.detach(), p.grad, m, v | {"scales": v["scales"][:, :4]})),
+            ("last dim divisible by 128", (torch.randn(33, 64), torch.randn(33, 64), m, v))):
+        refused(match, kernels.adamw_nvfp4, *args, 128, "sr", "sr", c, True, (1, 2), launches=launches)
+
+
+@pytest.mark.parametrize("family", ["quantize", "sr", "dequantize", "requantize", "fold", "rotate_back"])
+def test_kernel_self_check_probes_pass_the_launch_checks(family, launches):
+    """Each kernel family's first-use check, run on a device of its own ('meta': tensors without
+    data, so a probe tensor left on the CPU is refused as it would be on a GPU), reaches its launches
+    through every host check; reading the (dataless) outputs back is the only thing that fails."""
+    try:
+        fp4._check_kernel(family)(torch.device("meta"))
+    except (NotImplementedError, RuntimeError) as err:  # copying meta outputs to the CPU
+        assert "meta" in str(err), err
+    assert launches, f"kernel.{family}'s check launched nothing"

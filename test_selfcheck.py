@@ -79,7 +79,7 @@ def test_native_standin_passes_and_is_checked_once_a_process(monkeypatch):
     use_native(monkeypatch, calls=calls)
     for _ in range(5):
         assert fp4.checked_backend("native", torch.device("cpu")) == "native"
-    assert len(calls) == 2  # the check's two GEMMs (mxfp4, nvfp4), once
+    assert len(calls) == 4  # the check's GEMMs (mxfp4, nvfp4; BF16 and FP32 outputs), once
     assert selfcheck.summary()["fallbacks"] == {} and "mm.native on cpu" in selfcheck.summary()["verified"]
     assert any("mm.native on cpu: verified" in line for line in selfcheck.LOG)
 
@@ -257,3 +257,61 @@ def test_every_available_path_verifies_on_this_gpu():
     bad = [r for r in rows if r["status"] == "fallback"]
     assert not bad, bad
     assert any(r["status"] == "verified" and r["path"].startswith("kernel.") for r in rows) or not fp4.kernels_enabled()
+
+
+# --- the probes are valid inputs of the paths they check (a refused probe checks nothing) --------
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("backend", ["bf16", "fp8", "native"])
+def test_mm_probes_keep_each_backends_rules(fmt, backend):
+    """mm.<backend>'s probe passes the backend's own rules (fp4.mm_refusals: torch._scaled_mm's
+    divisibility, the native path's packed K) on every GPU the backend runs on, and still spans more
+    than one 128-row scale tile, the padding the native path's swizzle must get right."""
+    a, b = formats.mm_probe(fmt)
+    for cc in ((8, 9), (9, 0), (10, 0), (12, 0)):
+        assert fp4.mm_refusals(backend, a, b, torch.bfloat16, cc) == []
+    assert fp4.mm_refusals(backend, a, b, torch.float32, (9, 0)) == []
+    assert a.lead_shape[0] > 128 and b.lead_shape[0] % 128
+
+
+def test_mm_refusals_state_scaled_mm_rules():
+    """The rule the old probe broke on the H100 (`mat2 shape (256x72) must be divisible by 16`) and
+    the others: refused before any call, by name; the default dispatch takes the exact fallback."""
+    a, b = fp4.quantize(torch.randn(64, 256), "mxfp4"), fp4.quantize(torch.randn(72, 256), "mxfp4")
+    assert fp4.mm_refusals("fp8", a, b, torch.bfloat16, (9, 0)) == ["N = 72 is not a multiple of 16"]
+    assert fp4.mm_refusals("fp8", b, a, torch.bfloat16, (9, 0)) == []  # M: any (mat1's rows)
+    assert fp4.mm_refusals("native", b, a, torch.bfloat16, (10, 0)) == ["M = 72 is not a multiple of 16"]
+    k48 = [fp4.quantize(torch.randn(64, 96), "mxfp4") for _ in range(2)]
+    assert fp4.mm_refusals("native", *k48, torch.bfloat16, (10, 0)) == []
+    assert fp4.mm_refusals("fp8", *k48, torch.float32, (8, 9)) == [
+        "a torch.float32 output with row-wise scales needs sm_90, not sm_89"]
+    with pytest.raises(ValueError, match="mm backend 'fp8' cannot take these operands: N = 72"):
+        fp4._mm_fp8(a, b, torch.bfloat16)
+    assert fp4.mm_refusals("bf16", a, b, torch.float32) == []
+
+
+def test_check_availability_by_compute_capability(monkeypatch):
+    """What `python -m fp4 check` runs on each GPU generation, from stand-in capabilities (no GPU
+    here): the BF16 backend and the kernels everywhere (with CuPy), FP8 GEMMs from sm_89, the
+    native FP4 GEMM on sm_100 / sm_120 only; and what mm uses by default there."""
+    import attention, optim  # noqa: E401,F401 (their checks)
+    monkeypatch.setattr(fp4.kernels, "enabled", lambda: True)
+    monkeypatch.delenv("FP4_BACKEND", raising=False)
+    gpu = torch.device("cuda", 0)
+    want = {(8, 0): ("bf16", "bf16", {"mm.bf16"}), (8, 9): ("bf16", "bf16", {"mm.bf16", "mm.fp8"}),
+            (9, 0): ("fp8", "bf16", {"mm.bf16", "mm.fp8"}),
+            (10, 0): ("native", "native", {"mm.bf16", "mm.fp8", "mm.native"}),
+            (12, 0): ("native", "native", {"mm.bf16", "mm.fp8", "mm.native"})}
+    for cc, (mx, nv, mms) in want.items():
+        monkeypatch.setattr(fp4, "_capability", lambda index, cc=cc: cc)
+        here = {p for p, c in selfcheck.CHECKS.items() if c.available(gpu) is None}
+        assert {p for p in here if p.startswith("mm.")} == mms | {"mm.emulated"}, cc
+        assert {"kernel.quantize", "kernel.rotate_back", "kernel.adamw_nvfp4"} <= here, cc
+        assert "quantize.reference" not in here
+        assert (fp4.mm_backend("mxfp4", gpu), fp4.mm_backend("nvfp4", gpu)) == (mx, nv), cc
+    why = selfcheck.CHECKS["mm.native"].available(gpu)
+    assert why is None  # the last stand-in: sm_120
+    monkeypatch.setattr(fp4, "_capability", lambda index: (9, 0))
+    assert selfcheck.CHECKS["mm.native"].available(gpu) == "not on sm_90"
+    monkeypatch.setattr(fp4.kernels, "enabled", lambda: False)
+    assert "CuPy" in selfcheck.CHECKS["kernel.quantize"].available(gpu)
