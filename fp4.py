@@ -372,14 +372,14 @@ def mm(a, b, out_dtype=torch.bfloat16, backend=None):
             backend = _MM_FALLBACK[backend]
     if backend not in MM_BACKENDS:
         raise ValueError(f"unknown mm backend {backend!r}; allowed: {MM_BACKENDS}")
-    refused = mm_refusals(backend, a, b, out_dtype)
-    if refused:
-        raise ValueError(f"mm backend {backend!r} cannot take these operands: {'; '.join(refused)}")
     if backend == "emulated":  # the definition: FP32 values, an FP32 GEMM (never TF32)
         with ieee_fp32(a.codes.device):
             return (_dequantize_lead(a) @ _dequantize_lead(b).t()).to(out_dtype)
     if not a.codes.is_cuda and backend != "bf16":
         raise ValueError(f"mm backend {backend!r} needs CUDA tensors; use 'emulated' or 'bf16' on the CPU")
+    refused = mm_refusals(backend, a, b, out_dtype)
+    if refused:
+        raise ValueError(f"mm backend {backend!r} cannot take these operands: {'; '.join(refused)}")
     return {"bf16": _mm_bf16, "fp8": _mm_fp8, "native": _mm_native}[backend](a, b, out_dtype)
 
 
