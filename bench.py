@@ -67,6 +67,8 @@ def main():
     ap.add_argument("--fsdp-compile", default="True", choices=("True", "False"), help="fsdp: train.py --compile")
     ap.add_argument("--step-optimizers", default="adamw", help="step: comma list of optim.OPTIMIZERS (each variant with each)")
     ap.add_argument("--step-loss-chunk", default="0", help="step: comma list of GPTConfig.loss_chunk values (0: whole logits)")
+    ap.add_argument("--step-accum", default="1", help="step, step_profile: comma list of gradient accumulations "
+                    "(micro-steps of --batch sequences an optimizer step; each row against BF16 at the same one)")
     ap.add_argument("--step-recompute", default="none", help="step, saved: comma list of GPTConfig.recompute values (none, mlp)")
     ap.add_argument("--saved-compiled", action="store_true", help="saved: also the compiled forward's total (compiles each row)")
     ap.add_argument("--step-saved", action="store_true", help="step: also count each row's saved bytes, compiled and eager (more forwards)")

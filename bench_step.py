@@ -91,13 +91,13 @@ def _step_batch(args, cfg, device="cuda"):
     return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
 
 
-def _time_step(args, variant, compiled, optimizer="adamw", loss_chunk=0, recompute="none"):
+def _time_step(args, variant, compiled, optimizer="adamw", loss_chunk=0, recompute="none", accumulation=1):
     """Median step time and peak memory of one variant: autocast BF16 forward with the loss inside
     the model, backward, fused AdamW, with the model torch.compile'd as train.py does."""
     net, opt, cfg = _step_model(args, variant, optimizer, loss_chunk, recompute)
     fwd = torch.compile(net, mode=args.compile_mode) if compiled else net
     x, y = _step_batch(args, cfg)
-    step = _train_step(fwd, opt, x, y)
+    step = _train_step(fwd, opt, x, y, accumulation)
     t0 = time.perf_counter()
     step()  # compiles (and warms up)
     torch.cuda.synchronize()
@@ -117,13 +117,15 @@ def _time_step(args, variant, compiled, optimizer="adamw", loss_chunk=0, recompu
     return ms, peak, warm_s, parts
 
 
-def _train_step(fwd, opt, x, y):
-    """One training step as train.py takes it: BF16 autocast forward with the loss inside the
-    model, backward, the optimizer's step."""
+def _train_step(fwd, opt, x, y, accumulation=1):
+    """One training step as train.py takes it: `accumulation` micro-steps of BF16 autocast forward
+    with the loss inside the model and backward (the same batch each time: the speed does not
+    depend on the text), then the optimizer's step."""
     def step():
-        with torch.autocast("cuda", torch.bfloat16):
-            _, loss = fwd(x, y)
-        loss.backward()
+        for _ in range(accumulation):
+            with torch.autocast("cuda", torch.bfloat16):
+                _, loss = fwd(x, y)
+            (loss / accumulation).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     return step
@@ -146,39 +148,44 @@ def memory_parts(net, opt, step, logits_numel):
                 logits_gib=round(logits, 2), rest_gib=round(peak - 2 * weights - states - logits, 2))
 
 
-def step_combos(variants, optimizers, loss_chunks, recomputes="none"):
-    """(variant, optimizer, loss_chunk, recompute) rows: each plain variant with each optimizer,
-    chunk and recompute (GPTConfig.recompute), and a variant written 'name:optimizer',
-    'name:optimizer:chunk' or 'name:optimizer:chunk:recompute' with those fixed."""
+def step_combos(variants, optimizers, loss_chunks, recomputes="none", accums="1"):
+    """(variant, optimizer, loss_chunk, recompute, accumulation) rows: each plain variant with each
+    optimizer, chunk, recompute (GPTConfig.recompute) and gradient accumulation (micro-steps an
+    optimizer step), and a variant written 'name:optimizer', 'name:optimizer:chunk',
+    'name:optimizer:chunk:recompute' or 'name:optimizer:chunk:recompute:accumulation' with those fixed."""
     import model as llama
     rows = []
     for item in variants.split(","):
         name, *fixed = item.split(":")
-        if len(fixed) > 3:
-            raise SystemExit(f"--step-variants item {item!r}: use name, name:optimizer, name:optimizer:loss_chunk "
-                             "or name:optimizer:loss_chunk:recompute")
+        if len(fixed) > 4:
+            raise SystemExit(f"--step-variants item {item!r}: use name, name:optimizer, name:optimizer:loss_chunk, "
+                             "name:optimizer:loss_chunk:recompute or name:optimizer:loss_chunk:recompute:accumulation")
         opts = [fixed[0]] if fixed else optimizers.split(",")
         chunks = [fixed[1]] if len(fixed) >= 2 else loss_chunks.split(",")
-        recs = [fixed[2]] if len(fixed) == 3 else recomputes.split(",")
+        recs = [fixed[2]] if len(fixed) >= 3 else recomputes.split(",")
+        accs = [fixed[3]] if len(fixed) == 4 else str(accums).split(",")
         for r in recs:
             if r not in llama.RECOMPUTES:
                 raise SystemExit(f"--step-variants item {item!r}: recompute {r!r} is not one of {', '.join(llama.RECOMPUTES)}")
-        rows += [(name, o, int(c), r) for o in opts for c in chunks for r in recs]
+        if not all(a.isdigit() and int(a) >= 1 for a in accs):
+            raise SystemExit(f"--step-variants item {item!r}: accumulation must be a whole number >= 1, got {accs}")
+        rows += [(name, o, int(c), r, int(a)) for o in opts for c in chunks for r in recs for a in accs]
     return rows
 
 
 def section_step(args):
     """Tokens/s and peak memory per variant, compiled (the headline) and optionally eager, all
     against the BF16 row of the same mode in the same run."""
-    variants = step_combos(args.step_variants, args.step_optimizers, args.step_loss_chunk, args.step_recompute)
+    variants = step_combos(args.step_variants, args.step_optimizers, args.step_loss_chunk, args.step_recompute,
+                           args.step_accum)
     rows = []
     for compiled in (True, False) if args.step_eager else (True,):
-        base = None
-        for variant, optimizer, chunk, recompute in variants:
+        base = {}  # accumulation -> the BF16 row's (tokens/s, peak): each row against BF16 at its own
+        for variant, optimizer, chunk, recompute, acc in variants:
             row = dict(model=args.model, variant=variant, optimizer=optimizer, loss_chunk=chunk, recompute=recompute,
-                       mode="compiled" if compiled else "eager", tokens_per_step=args.batch * args.seq)
+                       accumulation=acc, mode="compiled" if compiled else "eager", tokens_per_step=args.batch * args.seq * acc)
             try:
-                ms, peak, warm_s, parts = _time_step(args, variant, compiled, optimizer, chunk, recompute)
+                ms, peak, warm_s, parts = _time_step(args, variant, compiled, optimizer, chunk, recompute, acc)
             except SkipVariant as why:
                 rows.append(dict(row, skipped=str(why)))
                 print(f"  {variant}: skipped: {why}")
@@ -191,18 +198,20 @@ def section_step(args):
             finally:
                 torch._dynamo.reset()
                 torch.cuda.empty_cache()
-            tok_s = args.batch * args.seq / (ms / 1000)
-            if variant == "bf16" and base is None:
-                base = (tok_s, peak)
+            tok_s = row["tokens_per_step"] / (ms / 1000)
+            if variant == "bf16" and acc not in base:
+                base[acc] = (tok_s, peak)
+            ref = base.get(acc)
             rows.append(dict(row, **parts, ms=round(ms, 1), tokens_per_s=round(tok_s), peak_gib=round(peak, 2),
                              first_step_s=round(warm_s, 1),
-                             vs_bf16=round(tok_s / base[0], 3) if base else None,
-                             mem_vs_bf16=round(peak / base[1], 3) if base else None))
-            print(f"  {variant} {optimizer} loss_chunk={chunk} recompute={recompute}: {ms:.1f} ms, {peak:.2f} GiB", flush=True)
+                             vs_bf16=round(tok_s / ref[0], 3) if ref else None,
+                             mem_vs_bf16=round(peak / ref[1], 3) if ref else None))
+            print(f"  {variant} {optimizer} loss_chunk={chunk} recompute={recompute} accumulation={acc}: "
+                  f"{ms:.1f} ms, {peak:.2f} GiB", flush=True)
             save_rows(args, "step", rows)  # a call stopped at its time limit keeps the rows done
         mode = "compiled" if compiled else "eager"
         print_table([r for r in rows if r["mode"] == mode and "ms" in r],
-                    ["model", "variant", "optimizer", "loss_chunk", "recompute", "mode", "ms", "tokens_per_s", "vs_bf16",
+                    ["model", "variant", "optimizer", "loss_chunk", "recompute", "accumulation", "mode", "ms", "tokens_per_s", "vs_bf16",
                      "peak_gib", "mem_vs_bf16", "first_step_s"])
         print_table([r for r in rows if r["mode"] == mode and "ms" in r],
                     ["variant", "optimizer", "loss_chunk", "recompute", "peak_gib", "weights_gib", "grads_gib", "optimizer_gib",
@@ -314,7 +323,7 @@ def section_saved(args):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     combos = step_combos(args.step_variants, args.step_optimizers, args.step_loss_chunk, args.step_recompute)
     rows = []
-    for variant, chunk, recompute in dict.fromkeys((v, c, r) for v, _, c, r in combos):
+    for variant, chunk, recompute in dict.fromkeys((v, c, r) for v, _, c, r, _ in combos):
         head = dict(model=args.model, variant=variant, loss_chunk=chunk, recompute=recompute, tokens=args.batch * args.seq)
         try:
             net, cfg = _step_net(args, variant, chunk, recompute, device)
@@ -363,10 +372,10 @@ def section_step_profile(args):
     the step's wall time, the GPU's busy time (the kernels' summed device time: less than the wall
     time when the host cannot keep the GPU fed) and the kernels that take the most of it."""
     rows = []
-    for variant, optimizer, chunk, recompute in step_combos(args.step_variants, args.step_optimizers,
-                                                            args.step_loss_chunk, args.step_recompute):
+    for variant, optimizer, chunk, recompute, acc in step_combos(args.step_variants, args.step_optimizers,
+                                                                 args.step_loss_chunk, args.step_recompute, args.step_accum):
         net, opt, cfg = _step_model(args, variant, optimizer, chunk, recompute)
-        step = _train_step(torch.compile(net, mode=args.compile_mode), opt, *_step_batch(args, cfg))
+        step = _train_step(torch.compile(net, mode=args.compile_mode), opt, *_step_batch(args, cfg), acc)
         ms = bench(step, warmup=3, reps=args.step_reps)
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=acts) as prof:
@@ -381,8 +390,8 @@ def section_step_profile(args):
             f = kernel_family(e.key)
             families[f] = families.get(f, 0.0) + e.self_device_time_total / 2e3
         row = dict(model=args.model, variant=variant, optimizer=optimizer, loss_chunk=chunk, recompute=recompute,
-                   compile_mode=args.compile_mode, ms=round(ms, 1), gpu_busy_ms=round(busy, 2),
-                   busy_share=round(busy / ms, 3), tokens_per_s=round(args.batch * args.seq / ms * 1e3),
+                   accumulation=acc, compile_mode=args.compile_mode, ms=round(ms, 1), gpu_busy_ms=round(busy, 2),
+                   busy_share=round(busy / ms, 3), tokens_per_s=round(args.batch * args.seq * acc / ms * 1e3),
                    family_ms={f: round(v, 2) for f, v in sorted(families.items(), key=lambda kv: -kv[1])},
                    top_kernels=[dict(name=e.key[:90], ms=round(e.self_device_time_total / 2e3, 2),
                                      calls=e.count // 2) for e in top])

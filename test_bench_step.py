@@ -112,15 +112,19 @@ def test_recompute_mlp_cuts_what_the_mlp_saves(variant):
 
 
 def test_step_combos():
-    """'name:optimizer:loss_chunk:recompute' is one row; plain names take every list's values."""
+    """'name:optimizer:loss_chunk:recompute[:accumulation]' is one row; plain names take every list's values."""
     assert bench_step.step_combos('bf16,quartet:adamw_fp4:4096:mlp', 'adamw', '0,4096', 'none,mlp') == [
-        ('bf16', 'adamw', 0, 'none'), ('bf16', 'adamw', 0, 'mlp'), ('bf16', 'adamw', 4096, 'none'),
-        ('bf16', 'adamw', 4096, 'mlp'), ('quartet', 'adamw_fp4', 4096, 'mlp')]
-    assert bench_step.step_combos('quartet:root', 'adamw', '0', 'mlp') == [('quartet', 'root', 0, 'mlp')]
+        ('bf16', 'adamw', 0, 'none', 1), ('bf16', 'adamw', 0, 'mlp', 1), ('bf16', 'adamw', 4096, 'none', 1),
+        ('bf16', 'adamw', 4096, 'mlp', 1), ('quartet', 'adamw_fp4', 4096, 'mlp', 1)]
+    assert bench_step.step_combos('quartet:root', 'adamw', '0', 'mlp') == [('quartet', 'root', 0, 'mlp', 1)]
+    assert bench_step.step_combos('bf16,fullstack:root_fp4:4096:mlp:32', 'adamw', '0', 'none', '1,32') == [
+        ('bf16', 'adamw', 0, 'none', 1), ('bf16', 'adamw', 0, 'none', 32), ('fullstack', 'root_fp4', 4096, 'mlp', 32)]
     with pytest.raises(SystemExit, match="recompute 'qkv' is not one of none, mlp"):
         bench_step.step_combos('quartet:adamw:0:qkv', 'adamw', '0')
-    with pytest.raises(SystemExit, match='name:optimizer:loss_chunk:recompute'):
+    with pytest.raises(SystemExit, match='accumulation must be a whole number >= 1'):
         bench_step.step_combos('quartet:adamw:0:mlp:x', 'adamw', '0')
+    with pytest.raises(SystemExit, match='name:optimizer:loss_chunk:recompute:accumulation'):
+        bench_step.step_combos('quartet:adamw:0:mlp:1:2', 'adamw', '0')
 
 
 @pytest.mark.parametrize('variant', ['bf16', 'quartet'])
