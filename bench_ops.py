@@ -1,5 +1,5 @@
-"""bench_ops.py: bench.py's per-operation sections (kernels, linear, attention, optim, accum, fusion,
-ns_time, profile, overhead), and the timer, tables and result files every section shares.
+"""bench_ops.py: bench.py's per-operation sections (kernels, linear, gemm, attention, optim, accum,
+fusion, ns_time, profile, overhead), and the timer, tables and result files every section shares.
 
 Each section is one function that returns rows (dicts); every row is printed in a table and the
 section's rows are written to results/<gpu-name-slug>/bench_<section>.json. Times are medians of
@@ -18,6 +18,7 @@ import torch
 
 import fp4
 import cuda_kernels as kernels
+import gemm
 from runlog import git_state
 
 
@@ -440,6 +441,54 @@ def _saved_bytes(layer, x):
 
 
 # ---------------------------------------------------------------------------------------------
+# gemm: NVFP4's GEMM on Hopper, the Triton kernel with the tensor scales in its epilogue (gemm.py)
+# against cuBLAS, on the three GEMMs of each 1B linear; operands already dequantized (BF16)
+
+GEMM_VARIANTS = ("cublas bf16 (torch.mm, bf16 out)", "bf16 backend (cublas fp32 out, then * g into bf16)",
+                 "triton (default launch)", "triton HOPPER_ALT")
+
+
+def gemm_shapes(m):
+    """(gemm, M, N, K) of the 1B linears' GEMMs at m tokens: forward Y = X W^T (M = tokens, N =
+    out, K = in), dgrad dX = E W (N = in, K = out), wgrad dW = E^T X (M = out, N = in, K = tokens)."""
+    names = ("qkv", "o", "gate_up", "down")
+    return [(f"{name} {which}", *dims) for name, (k, n) in zip(names, LINEAR_SHAPES)
+            for which, dims in (("fwd", (m, n, k)), ("dgrad", (m, k, n)), ("wgrad", (n, k, m)))]
+
+
+def _gemm_runs(a, b, g):
+    out = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16, device="cuda")
+    return dict(zip(GEMM_VARIANTS, (
+        lambda: torch.mm(a, b.t()),
+        lambda: torch.mul(fp4._mm_f32(a, b), g, out=out),
+        lambda: gemm.mm_scaled(a, b, g),
+        lambda: gemm.mm_scaled(a, b, g, config=gemm.HOPPER_ALT))))
+
+
+def section_gemm(args):
+    """Median ms of each variant on NVFP4 operands dequantized as fp4's 'bf16' and 'triton' backends
+    dequantize them (code * s * 2^k in BF16, g the FP32 rest of the tensor scales), and the ratio
+    cuBLAS BF16 ms / ms (above 1: faster than cuBLAS). The Triton kernel must be no slower than
+    cuBLAS BF16 here (the issue "The NVFP4 family at BF16 speed on Hopper")."""
+    rows, gen = [], torch.Generator(device="cuda").manual_seed(0)
+    for name, m, n, k in gemm_shapes(args.tokens):
+        x, w = (fp4.quantize(torch.randn(r, k, generator=gen, device="cuda"), "nvfp4") for r in (m, n))
+        a, b, g = fp4._bf16_operands(x, w)
+        base = None
+        for variant, run in _gemm_runs(a, b, g).items():
+            ms = bench(run)
+            base = base or ms
+            rows.append(dict(gemm=name, shape=f"{m}x{n}x{k}", variant=variant, ms=round(ms, 4),
+                             tflops=round(2 * m * n * k / ms / 1e9, 1), vs_cublas_bf16=round(base / ms, 3)))
+        del x, w, a, b
+    totals = {v: sum(r["ms"] for r in rows if r["variant"] == v) for v in GEMM_VARIANTS}
+    rows += [dict(gemm=f"sum of {len(rows) // len(GEMM_VARIANTS)} GEMMs", variant=v, ms=round(t, 3),
+                  vs_cublas_bf16=round(totals[GEMM_VARIANTS[0]] / t, 3)) for v, t in totals.items()]
+    print_table(rows, ["gemm", "shape", "variant", "ms", "tflops", "vs_cublas_bf16"])
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
 # optim: one optimizer step over the ~1B Llama's parameters (SPEC 8.1): time and state bytes/param
 
 OPTIM_VARIANTS = ("torch AdamW (fused)", "optim.AdamW fp32", "optim.AdamW nvfp4 (fused kernel)", "optim.AdamW nvfp4 (unfused reference)",
@@ -729,7 +778,7 @@ def llama_layers(size):
 
 
 SECTIONS = {"overhead": section_overhead, "profile": section_profile, "kernels": section_kernels, "accum": section_accum,
-            "linear": section_linear, "ns_time": section_ns_time, "attention": section_attention,
+            "linear": section_linear, "gemm": section_gemm, "ns_time": section_ns_time, "attention": section_attention,
             "optim": section_optim, "fusion": section_fusion}  # and bench_step.py's: all_sections()
 CPU_SECTIONS = {"saved"}  # sections that also run without a GPU (bench_step.py's saved)
 ON_REQUEST = {"step_profile"}  # not in the default sections (a diagnosis, not a comparison)
@@ -750,7 +799,8 @@ def code_version():
 
 
 SWITCHES = ("FP4_NS_GRAPH", "FP4_KERNELS", "FP4_BACKEND", "FP4_FAST_ACCUM_BITS", "FP4_MX_ROWS", "FP4_NV128_ROWS", "FP4_NV128_COLS",
-            "FP4_ATTENTION", "FP4_ATTENTION_OPERANDS", "FP4_ATTENTION_BWD", "FP4_ADAMW_FUSED", "FP4_NV_AMAX")
+            "FP4_ATTENTION", "FP4_ATTENTION_OPERANDS", "FP4_ATTENTION_BWD", "FP4_ADAMW_FUSED", "FP4_NV_AMAX",
+            "FP4_NV_GEMM")
 
 
 def switches():

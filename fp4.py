@@ -34,6 +34,7 @@ import os
 import torch
 
 import cuda_kernels as kernels  # the CUDA kernels' launchers (kernels.cu through CuPy)
+import gemm  # the Triton GEMM of mm backend 'triton' (the tensor scales in its epilogue)
 import selfcheck  # first-use checks of the accelerated paths (below: "Self-checks")
 from lora import (LORA_FRACTION, LORA_OVERSAMPLE, LORA_POWER_ITERS, lora_rank_for, lora_refit_due,  # noqa: F401
                   lora_schedule_warning, randomized_svd)
@@ -351,7 +352,7 @@ def transpose_2d(q):
 # ---------------------------------------------------------------------------------------------
 # GEMM backends: mm(a, b) = dequantize(a) @ dequantize(b).T (SPEC 7, DESIGN "Backends")
 
-MM_BACKENDS = ("emulated", "bf16", "fp8", "native")
+MM_BACKENDS = ("emulated", "bf16", "fp8", "native", "triton")
 # Hopper's FP8 tensor cores with use_fast_accum keep partial sums in a narrower accumulator.
 # Every folded MXFP4 element is m * 2^(d - 1), m an integer <= 12, d >= -span (the row's block-
 # exponent span), so products are multiples of 2^(-2 - span_a - span_b) and at most 36 in size:
@@ -380,7 +381,7 @@ def mm(a, b, out_dtype=torch.bfloat16, backend=None):
     refused = mm_refusals(backend, a, b, out_dtype)
     if refused:
         raise ValueError(f"mm backend {backend!r} cannot take these operands: {'; '.join(refused)}")
-    return {"bf16": _mm_bf16, "fp8": _mm_fp8, "native": _mm_native}[backend](a, b, out_dtype)
+    return {"bf16": _mm_bf16, "fp8": _mm_fp8, "native": _mm_native, "triton": _mm_triton}[backend](a, b, out_dtype)
 
 
 def mm_refusals(backend, a, b, out_dtype, cc=None):
@@ -391,6 +392,8 @@ def mm_refusals(backend, a, b, out_dtype, cc=None):
     if backend in ("emulated", "bf16") or (backend == "fp8" and a.fmt != "mxfp4"):
         return []  # torch.mm takes any shape (fp8 sends NVFP4 to the bf16 backend)
     (m, k), n = a.lead_shape, b.lead_shape[0]
+    if backend == "triton":  # any shape (masked tiles); int32 indexing, a floating-point output
+        return gemm.refusals(m, n, k, out_dtype)
     # torch._scaled_mm's own checks: mat1 (M, K) with K % 16, mat2 (K, N) with K % 16 and N % 16
     # (16-byte leading dims). FP4 operands pack 2 codes a byte, so their K needs 32; M % 16 is asked
     # of the native path too, a margin (not run on Blackwell here) that costs training nothing: its
@@ -435,7 +438,19 @@ def mm_backend(fmt, device):
         return "native"
     if cc == (9, 0) and fmt == "mxfp4":
         return "fp8"
+    if cc == (9, 0) and gemm.triton is not None and _nv_gemm() == "triton":
+        return "triton"  # NVFP4 on Hopper: the bf16 backend's operands, g in the GEMM's epilogue
     return "bf16"
+
+
+def _nv_gemm():
+    """FP4_NV_GEMM: NVFP4's default GEMM on Hopper, 'triton' (gemm.py: the tensor scales in the
+    epilogue, BF16 written once) or 'bf16' (cuBLAS with an FP32 output, then a scaling pass). Not
+    yet timed on a GPU (docs/speed.md): 'bf16' keeps the path measured before it."""
+    choice = os.environ.get("FP4_NV_GEMM", "triton")
+    if choice not in ("triton", "bf16"):
+        raise ValueError(f"FP4_NV_GEMM={choice!r}: choose triton or bf16")
+    return choice
 
 
 @functools.cache
@@ -467,9 +482,28 @@ def _dequantize_lead(q, dtype=torch.float32):
 def _mm_bf16(a, b, out_dtype):
     """Exact operands in BF16: MXFP4 values code * 2^e, NVFP4 values code * s * 2^k (<= 6
     significant bits), the rest of the tensor scales multiplying the FP32-accumulated product."""
+    a1, b1, g = _bf16_operands(a, b)
+    out = _mm_f32(a1, b1)  # (M, N) FP32
+    if g is None:
+        return out.to(out_dtype)
+    if out_dtype == torch.float32:
+        return out.mul_(g)
+    # the FP32 product rounded to out_dtype as it is stored: one pass over the FP32 output instead
+    # of two (mul_, then .to), the same bits (an FP32 multiply, then one rounding either way)
+    return torch.mul(out, g, out=torch.empty(out.shape, dtype=out_dtype, device=out.device))
+
+
+def _mm_triton(a, b, out_dtype):
+    """The bf16 backend's operands and numbers, g multiplied in the Triton GEMM's epilogue (gemm.py):
+    no FP32 output written and read back."""
+    return gemm.mm_scaled(*_bf16_operands(a, b), out_dtype)
+
+
+def _bf16_operands(a, b):
+    """a, b dequantized exactly into BF16, (M, K) and (N, K), and the FP32 0-d factor g their product
+    takes (None for MXFP4, whose operands hold their whole scales)."""
     if a.fmt == "mxfp4":
-        a1, b1 = _dequantize_lead(a, torch.bfloat16), _dequantize_lead(b, torch.bfloat16)
-        return _mm_f32(a1, b1).to(out_dtype)
+        return _dequantize_lead(a, torch.bfloat16), _dequantize_lead(b, torch.bfloat16), None
     # g = m 2^E with m in [1, 2). The operands take 2^k, k = E clamped to [-116, 116] (code * s in
     # [2^-10, 2688] times 2^k stays a normal BF16), the output m_a m_b 2^(E_a - k_a + E_b - k_b),
     # in [2^-66, 4). One FP32 product g_a g_b here underflowed to 0 where the tensor amaxes multiply
@@ -477,13 +511,7 @@ def _mm_bf16(a, b, out_dtype):
     # FP32's normal range both give the same bits (one rounding of the same product).
     (ma, ea), (mb, eb) = torch.frexp(a.tensor_scale), torch.frexp(b.tensor_scale)  # m in [0.5, 1)
     ka, kb = (ea - 1).clamp(-116, 116), (eb - 1).clamp(-116, 116)
-    out = _mm_f32(_nv_bf16(a, ka), _nv_bf16(b, kb))  # (M, N) FP32
-    g = torch.ldexp((ma * 2) * (mb * 2), ea - 1 - ka + eb - 1 - kb)
-    if out_dtype == torch.float32:
-        return out.mul_(g)
-    # the FP32 product rounded to out_dtype as it is stored: one pass over the FP32 output instead
-    # of two (mul_, then .to), the same bits (an FP32 multiply, then one rounding either way)
-    return torch.mul(out, g, out=torch.empty(out.shape, dtype=out_dtype, device=out.device))
+    return _nv_bf16(a, ka), _nv_bf16(b, kb), torch.ldexp((ma * 2) * (mb * 2), ea - 1 - ka + eb - 1 - kb)
 
 
 def _nv_bf16(q, k):
@@ -885,7 +913,7 @@ def kernels_enabled():
 # Self-checks of the accelerated paths (DESIGN.md "Self-checks", docs/selfcheck.md): each GEMM
 # backend and kernel family, on small fixed inputs, against the reference on the CPU
 
-_MM_FALLBACK = {"native": "bf16", "fp8": "bf16", "bf16": "emulated"}  # each exact (SPEC 7)
+_MM_FALLBACK = {"native": "bf16", "fp8": "bf16", "triton": "bf16", "bf16": "emulated"}  # each exact (SPEC 7)
 
 
 def checked_backend(backend, device):
@@ -923,9 +951,10 @@ def _mm_check(backend):
                     continue
                 want = mm(a, b, out_dtype, backend="emulated")
                 # the backend function is looked up now: tests swap in stand-ins
-                got = {"bf16": _mm_bf16, "fp8": _mm_fp8, "native": _mm_native}[backend](ad, bd, out_dtype)
+                got = {"bf16": _mm_bf16, "fp8": _mm_fp8, "native": _mm_native, "triton": _mm_triton}[backend](ad, bd, out_dtype)
                 bad += selfcheck.mismatches(got, want, f"{backend} {fmt} {str(out_dtype)[6:]} ")
-        return bad
+        # the mm probes' tensor scales are powers of two (g = 1): the epilogue's multiply, checked apart
+        return bad + (gemm.epilogue_mismatches(device) if backend == "triton" else [])
     return run
 
 
@@ -1015,6 +1044,8 @@ for _path, _run, _against, _fallback, _avail in (
         ("mm.bf16", _mm_check("bf16"), _EXACT, "the emulated mm", None),
         ("mm.fp8", _mm_check("fp8"), _EXACT, "the bf16 mm backend", lambda d: _why_not(d, lambda c: c >= (8, 9))),
         ("mm.native", _mm_check("native"), _EXACT, "the bf16 mm backend", lambda d: _why_not(d, lambda c: c[0] in (10, 12))),
+        ("mm.triton", _mm_check("triton"), _EXACT + "; gemm.py's twin on a full-mantissa g", "the bf16 mm backend",
+         lambda d: ("no Triton" if d.type == "cuda" and gemm.triton is None else _why_not(d, lambda c: c >= (8, 0)))),
         *(("kernel." + f, _check_kernel(f), "the PyTorch reference on the CPU, bit for bit" + (" (SPEC 4's integer SR rule)" if f == "sr" else ""),
            "the PyTorch reference", _why_not) for f in ("quantize", "sr", "dequantize", "requantize", "fold", "rotate_back"))):
     selfcheck.register(selfcheck.Check(_path, _run, _against, _fallback, _avail or (lambda d: None), _speed(_path)))
