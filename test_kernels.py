@@ -235,6 +235,8 @@ def test_nv_amax_kernel_matches_fused(shape, axis, dtype, rule, rnd, had, signed
     launched the kernel it names."""
     names = []
     launch = kernels.launch
+    # the first-use checks run (and launch) before recording, under the device key quantize uses ('cuda:0')
+    assert fp4._kernel_ok(torch.empty(0, device="cuda").device, "quantize", "sr")
     monkeypatch.setattr(kernels, "launch", lambda dev, name, *a: (names.append(name), launch(dev, name, *a))[1])
     x = rand(shape, dtype, seed=hash((shape, axis, rule, had)) & 0xFFFF, special=fill == "special")
     x = x * 0 if fill == "zero" else x
