@@ -513,7 +513,7 @@ def to_bf16_gemms(model):
     An FP4Linear whose recipe attribute is 'bf16' runs F.linear (BF16 under autocast): forward,
     input gradient and weight gradient leave FP4 together. The Parameters, and so the optimizer and
     its states, stay as they are. Under torch.compile the changed attribute fails one guard: one
-    recompile at the switch, then the BF16 graph is reused (test_train.py checks both)."""
+    recompile at the switch, then the BF16 graph is reused (test_schedule.py checks both)."""
     layers = [m for m in model.modules() if isinstance(m, nn.Linear) and isinstance(getattr(m, 'recipe', None), str)]
     for m in layers:  # FP4Linear (by its recipe attribute: wherever the class lives)
         m.recipe = 'bf16'
