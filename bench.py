@@ -7,6 +7,7 @@ linear, attention, optim, ...), bench_step.py the whole-model ones (step, saved,
 fsdp); this file is the command line.
 
 $ python bench.py --sections step --step-variants bf16,float8-tensorwise,quartet,nvfp4   # 1B step
+$ python bench.py --sections step --step-variants bf16,quartet,quartet+bf16-tail         # FP4 part, BF16 tail
 $ python bench.py --sections kernels,linear                                             # operations
 """
 import argparse
@@ -58,7 +59,7 @@ def main():
     ap.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
                     help="step, step_profile: torch.compile's mode (reduce-overhead: CUDA graphs, which time one fixed-batch step; train.py refuses them: docs/speed.md)")
     ap.add_argument("--step-variants", default=",".join(step_variants),
-                    help="step: comma list (model.RECIPES names, fp8-rowwise, float8-tensorwise, float8-rowwise; '+attn-nvfp4' adds FP4 attention; "
+                    help="step: comma list (model.RECIPES names, fp8-rowwise, float8-tensorwise, float8-rowwise; '+attn-nvfp4' adds FP4 attention; '+bf16-tail' times an FP4 recipe's BF16 tail (train.py --fp4_until); "
                          "'name:optimizer[:loss_chunk[:recompute]]' is that one row); bf16 first")
     ap.add_argument("--step-eager", action="store_true", help="step: also time every variant eager (second table)")
     ap.add_argument("--gpus", default="2", help="fsdp: comma list of GPU counts (torchrun --nproc_per_node)")

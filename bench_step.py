@@ -46,7 +46,10 @@ def _fp8_model(model):
 # file's FP8 linear), and torchao's float8 training ("float8-tensorwise", "float8-rowwise"; skipped
 # with the reason where torchao is not installed). All convert the same block linears; lm_head,
 # embeddings and norms stay BF16 everywhere, attention too unless a variant ends in "+attn-nvfp4"
-# (attention.py's FP4 attention, SPEC 8.3).
+# (attention.py's FP4 attention, SPEC 8.3). "+bf16-tail" after an FP4 recipe ("quartet+bf16-tail") is
+# that recipe's model after train.py's fp4_until switch (model.to_bf16_gemms): a run's BF16 tail, to
+# time beside the recipe's own row, its FP4 part.
+BF16_TAIL = "+bf16-tail"
 STEP_VARIANTS = ("bf16", "float8-tensorwise", "float8-rowwise", "quartet", "nvfp4", "quartet2", "fullstack",
                  "bf16+attn-nvfp4", "quartet+attn-nvfp4")
 
@@ -65,6 +68,9 @@ def _step_net(args, variant, loss_chunk=0, recompute="none", device="cuda"):
     import model as llama
     torch.manual_seed(0)
     base, _, attn = variant.partition("+attn-")  # e.g. "quartet+attn-nvfp4": FP4 attention too
+    base, tail = (base[:-len(BF16_TAIL)], True) if base.endswith(BF16_TAIL) else (base, False)
+    if tail and (base not in llama.RECIPES or llama.schedule_problem(0.5, 2, base)):
+        raise SkipVariant(f"{base} has no FP4 GEMMs to switch to BF16")
     cfg = llama.config_for(args.model, block_size=args.seq, attention=attn or "bf16",
                              loss_chunk=loss_chunk, recompute=recompute)
     net = llama.GPT(cfg).to(device)
@@ -75,6 +81,8 @@ def _step_net(args, variant, loss_chunk=0, recompute="none", device="cuda"):
     else:
         net = llama.apply_recipe(net, base)
         fp4.refit_lora(net)  # fullstack: fit L as train.py does at step 0 (no-op for the others)
+        if tail:
+            llama.to_bf16_gemms(net)  # the steps after train.py's switch (fp4_until)
     return net, cfg
 
 

@@ -5,7 +5,8 @@ sample.py and export_hf.py read them; none of them imports another for it.
 A run's folder holds the newest checkpoint as ckpt.pt and the older ones it keeps as
 ckpt.<step>.pt. A checkpoint is a dict: model (state dict), model_args, recipe, optimizer
 (state dict), optimizer_class, iter_num, config, rng (each rank's RNG states), history (the
-loss curves), data (the sampler's position) and meta (the corpus's meta.json).
+loss curves; history['bf16_from']: the step from which the block linears ran BF16 under
+fp4_until, absent while they run FP4), data (the sampler's position) and meta (the corpus's meta.json).
 
 An FSDP2 run (--fsdp=True) writes the same dict as a folder, ckpt.dcp (older: ckpt.<step>.dcp),
 with torch.distributed.checkpoint (DCP): every rank writes its shards of the weights and optimizer
@@ -25,7 +26,7 @@ import warnings
 import numpy as np
 import torch
 
-from model import RECIPES
+from model import RECIPES, fp4_switch_step
 
 # ---------------------------------------------------------------------------------------------
 # file names: the newest is out_dir/ckpt.pt (a file) or out_dir/ckpt.dcp (FSDP2's folder), older
@@ -302,6 +303,35 @@ def read_for_resume(out_dir, resume_from):
                 f'no older checkpoint is kept in {out_dir}: start a fresh run without --resume')
         raise SystemExit(f'{e}; {hint}')
     return ckpt, path
+
+
+def bf16_from(ckpt, path, fp4_until, max_iters):
+    """The step from which the checkpoint's block linears ran BF16 (train.py's fp4_until), None
+    while they ran FP4: a run resumed after the switch stays BF16. Refused in one line where this
+    run's switch step, round(fp4_until * max_iters), contradicts what the checkpoint trained: FP4
+    past it, or BF16 from another step. A switch still ahead may move (study.py branches there)."""
+    it, since, s = ckpt['iter_num'], ckpt['history'].get('bf16_from'), fp4_switch_step(fp4_until, max_iters)
+    if since is None and it > s:
+        raise SystemExit(f'{path} ran FP4 GEMMs through step {it - 1}, past step {s} where fp4_until={fp4_until} '
+                         f'switches to BF16 (of max_iters={max_iters}): resume it with a later switch, '
+                         f'fp4_until >= {it / max_iters:.6g}')
+    if since is not None and since != s:
+        raise SystemExit(f'{path} switched the block linears to BF16 at step {since}, but fp4_until={fp4_until} '
+                         f'switches at step {s} (of max_iters={max_iters}): a resumed run keeps its switch; '
+                         f'give the fp4_until of step {since}, e.g. --fp4_until={since / max_iters:.6g}')
+    return since
+
+
+def at_step(out_dir, step):
+    """The path of out_dir's kept checkpoint of `step` (ckpt.<step>.pt, or ckpt.pt if it is that
+    step's), or None: where study.py branches a BF16 tail from an FP4 run. Reads only iter_num."""
+    if os.path.exists(path_of(out_dir, step)):
+        return path_of(out_dir, step)
+    try:
+        newest_step = torch.load(path_of(out_dir), map_location='cpu', weights_only=False, mmap=True)['iter_num']
+    except Exception:  # missing, or unreadable: no checkpoint of that step here
+        return None
+    return path_of(out_dir) if newest_step == step else None
 
 
 def rng_states(cuda):

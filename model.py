@@ -487,6 +487,39 @@ def apply_recipe(model, recipe):
     return model
 
 # -----------------------------------------------------------------------------
+# the precision schedule: FP4 for most of the run, BF16 at the end (train.py's fp4_until)
+# NVIDIA's NVFP4 recipe switches the GEMMs to BF16 for the last part of training, which closes most of
+# the remaining loss gap (SPEC.md 5, nvfp4). One step switches all three GEMMs of every FP4 block linear.
+
+def fp4_switch_step(fp4_until, max_iters):
+    """The first step whose block linears run BF16: s = round(fp4_until * max_iters) (Python's
+    round, halves to even). Steps 0 .. s-1 run the recipe's FP4 GEMMs, s .. max_iters-1 BF16;
+    fp4_until = 1 gives s = max_iters: FP4 to the end."""
+    return round(fp4_until * max_iters)
+
+def schedule_problem(fp4_until, max_iters, recipe, cuda_graph=False):
+    """Why fp4_until cannot apply to this run, as one line, or None (fp4_until = 1 always applies)."""
+    if fp4_until >= 1:
+        return None
+    s = fp4_switch_step(fp4_until, max_iters)
+    why = (f'recipe {recipe!r} runs no FP4 GEMMs to switch' if recipe in ('bf16', 'float8') else
+           'cuda_graph=True replays graphs captured with the FP4 kernels' if cuda_graph else
+           f'it leaves no {"FP4" if s == 0 else "BF16"} step' if s in (0, max_iters) else None)
+    return why and (f'fp4_until={fp4_until} (FP4 GEMMs before step round(fp4_until * max_iters) = '
+                    f'round({fp4_until} * {max_iters}) = {s}, BF16 from it) cannot apply: {why}')
+
+def to_bf16_gemms(model):
+    """Run every FP4 linear of model in BF16 from its next forward, in place, and return how many.
+    An FP4Linear whose recipe attribute is 'bf16' runs F.linear (BF16 under autocast): forward,
+    input gradient and weight gradient leave FP4 together. The Parameters, and so the optimizer and
+    its states, stay as they are. Under torch.compile the changed attribute fails one guard: one
+    recompile at the switch, then the BF16 graph is reused (test_schedule.py checks both)."""
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear) and isinstance(getattr(m, 'recipe', None), str)]
+    for m in layers:  # FP4Linear (by its recipe attribute: wherever the class lives)
+        m.recipe = 'bf16'
+    return len(layers)
+
+# -----------------------------------------------------------------------------
 # CUDA graphs: the training forward and backward replayed without the host's launch work
 
 class LossOf(nn.Module):

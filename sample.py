@@ -33,7 +33,7 @@ import torch
 
 import checkpoint
 import configurator
-from model import GPT, GPTConfig, apply_recipe
+from model import GPT, GPTConfig, apply_recipe, to_bf16_gemms
 
 # -----------------------------------------------------------------------------
 # config: every global here can be overridden with --key=value (and config files)
@@ -69,6 +69,8 @@ def load_model(path, device='cpu'):
     except ImportError as e:  # recipe 'float8' without torchao
         raise SystemExit(f'{path}: {e}')
     checkpoint.load_model_state(model, ckpt, path)
+    if ckpt.get('history', {}).get('bf16_from') is not None:  # trained past fp4_until: its linears ran BF16 last
+        to_bf16_gemms(model)
     return model.to(device).eval(), ckpt
 
 def tiktoken_encoding(name):

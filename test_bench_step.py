@@ -66,6 +66,20 @@ def test_saved_by_kind_adds_up_to_the_graphs_saved_set(variant):
             'lm_head', 'loss'} <= {r['kind'] for r in kinds}
 
 
+def test_bf16_tail_variant_is_the_switched_model():
+    """'quartet+bf16-tail': quartet's model after train.py's fp4_until switch, every block linear in
+    BF16 (the step of a run's BF16 tail); a recipe without FP4 GEMMs has no such row."""
+    args = SimpleNamespace(**ARGS)
+    for variant, want in (('quartet', {'quartet'}), ('quartet+bf16-tail', {'bf16'}),
+                          ('quartet+bf16-tail+attn-nvfp4', {'bf16'})):
+        net, cfg = bench_step._step_net(args, variant, device='cpu')
+        assert {m.recipe for m in net.modules() if hasattr(m, 'recipe')} == want, variant
+        assert cfg.attention == ('nvfp4' if 'attn' in variant else 'bf16')
+    for variant in ('bf16+bf16-tail', 'float8-rowwise+bf16-tail', 'fp8-rowwise+bf16-tail'):
+        with pytest.raises(bench_step.SkipVariant, match='no FP4 GEMMs'):
+            bench_step._step_net(args, variant, device='cpu')
+
+
 def fp4_saved(rows, k, recipe):
     """What FP4Linear saves for the backward of a (rows, k) operand, by fp4's layout: codes (two a
     byte), one scale byte a block, the QuEST clip mask (8 a byte) for quest's operands; the FP32

@@ -661,6 +661,7 @@ def test_nothing_to_resume(corpus, tmp_path):
 @pytest.mark.parametrize('args,expect', [
     (['--resume=True', '--out_dir=/nonexistent/run'], 'nothing to resume from'),
     (['--block_size=100', '--batch_size=4'], "recipe 'quartet' needs batch_size * block_size divisible by 32"),
+    (['--recipe=bf16', '--fp4_until=0.9'], "fp4_until=0.9 (FP4 GEMMs before step round(fp4_until * max_iters)"),
 ])
 def test_cli_errors_are_one_line(args, expect):
     """What a user sees: one line on stderr, no traceback, exit status 1, before any data."""

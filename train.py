@@ -9,8 +9,7 @@ $ torchrun --standalone --nproc_per_node=8 train.py config/llama_1b.py --fsdp=Tr
 
 Recipes (SPEC.md 5): bf16 (baseline), quartet (MXFP4), nvfp4 (NVIDIA), quartet2 (Quartet II),
 fullstack (NVFP4 four-over-six + a BF16 LoRA-SVD part, SPEC.md 8.4).
-Writes to out_dir: train.log (config, versions, GPU, every step), ckpt.pt, loss.png,
-summary.json.
+Writes to out_dir: train.log (config, versions, GPU, every step), ckpt.pt, loss.png, summary.json.
 """
 
 import contextlib
@@ -38,7 +37,7 @@ import runlog
 import selfcheck
 from runlog import log
 from model import (ATTENTIONS, END_BLOCKS, GPT, GPTConfig, RECIPES, RECOMPUTES, SIZES, Graphed, apply_recipe,
-                   config_for, fp4_blocks, graphed, shape_problem)
+                   config_for, fp4_blocks, fp4_switch_step, graphed, schedule_problem, shape_problem, to_bf16_gemms)
 
 # -----------------------------------------------------------------------------
 # config: every global here can be overridden by config/*.py and --key=value
@@ -49,6 +48,7 @@ always_save_checkpoint = True  # at every eval
 resume = False            # continue from out_dir/ckpt.pt, bit-exact on CPU
 resume_from = ''          # continue from this checkpoint file instead (implies resume)
 keep_checkpoints = 2      # keep the newest N: ckpt.pt, then ckpt.<step>.pt for the older ones
+checkpoint_steps = ''     # also checkpoint before these steps ('1221,1373'), evals or not: study.py branches BF16 tails there
 sample_tokens = 100       # at the end, print this many tokens generated after 'def ' (0: none)
 eval_split_tokens = 0     # > 0: at the end, the loss over the val split's first this-many tokens, the same text for every seed
 # data
@@ -60,6 +60,7 @@ recipe = 'quartet'        # one of model.RECIPES
 lora_rank = 0             # fullstack: rank of the BF16 part; 0: the default rule, -1: none
 lora_refit_interval = 4000  # fullstack: refit L by randomized SVD every this many steps (and at 0)
 lora_refit_first = 50     # fullstack: also refit at this step and each doubling of it below the interval (0: none)
+fp4_until = 1.0           # FP4 GEMMs before step round(fp4_until * max_iters), BF16 from it to the end (model.fp4_switch_step)
 end_blocks = 'auto'       # one of model.END_BLOCKS: 'bf16' keeps the first and last blocks in BF16 (nvfp4's rule), 'fp4' runs them FP4 too
 attention = 'bf16'        # one of model.ATTENTIONS: 'nvfp4' is FP4 attention (attention.py), any recipe
 loss_chunk = 0            # > 0: cross-entropy over the lm_head this many tokens at a time (the logits never whole)
@@ -115,6 +116,7 @@ _C = configurator
 RULES = dict(
     out_dir=_C.Text(r'[^\x00]+', 'a folder name'), log_interval=_C.Int(1), always_save_checkpoint=_C.Flag(),
     resume=_C.Flag(), resume_from=_C.Text(r'[^\x00]*', 'a checkpoint file, or empty'), keep_checkpoints=_C.Int(1),
+    checkpoint_steps=_C.Text(r'(\d+(,\d+)*)?', 'steps, comma-separated'), fp4_until=_C.Float(0, 1, lo_open=True),
     sample_tokens=_C.Int(0), eval_split_tokens=_C.Int(0, note='0: none'),
     dataset=_C.Text(r'[\w.-]+', 'a folder name under data/'), data_dir=_C.Text(r'[^\x00]*', 'a folder, or empty'),
     n_kv_head=_C.Int(0, note='0: as many as query heads'), recipe=_C.Choice(*RECIPES),
@@ -167,7 +169,8 @@ def check_config():
         raise configurator.ConfigError(f'device={device!r}, but torch finds no CUDA device here: use --device=cpu')
     if lr_decay_iters > 0 and warmup_iters > lr_decay_iters:
         raise configurator.ConfigError(f'warmup_iters={warmup_iters} is longer than lr_decay_iters={lr_decay_iters}')
-    problem = shape_problem(model_size, n_kv_head, recipe, batch_size, block_size)
+    problem = (shape_problem(model_size, n_kv_head, recipe, batch_size, block_size)
+               or schedule_problem(fp4_until, max_iters, recipe, cuda_graph))
     if problem:
         raise configurator.ConfigError(problem)
 
@@ -295,8 +298,8 @@ def adopt_checkpoint_config(ckpt, path):
     states have them). A flag set to something else is refused, as it could not apply; a
     default that differs gives way to the checkpoint's value, and the log says so."""
     saved = dict(ckpt.get('config', {}), recipe=ckpt['recipe'])
-    for key in IDENTITY_KEYS:
-        if key not in DEFAULTS or key not in saved or saved[key] == globals()[key]:
+    for key in IDENTITY_KEYS + (() if 'fp4_until' in _overrides else ('fp4_until',)):  # a flag may move a switch
+        if key not in DEFAULTS or key not in saved or saved[key] == globals()[key]:  # still ahead: checkpoint.bf16_from
             continue
         ours, theirs = globals()[key], saved[key]
         if key in _overrides:
@@ -406,6 +409,8 @@ def init_run(rank, data_meta):
     if ckpt:
         check_resume_fsdp(ckpt, path)
         checkpoint.load_model_state(model, ckpt, path)  # the whole model, on every rank, before sharding
+        if checkpoint.bf16_from(ckpt, path, fp4_until, max_iters) is not None:  # switched before it: BF16 on
+            to_bf16_gemms(model)
     if fsdp:
         distributed.shard_model(model, device, dtype)  # moves each rank's shard to the device: no whole copy stays there
     else:
@@ -430,7 +435,7 @@ def finish(history, stats, model_args, model=None, meta=None):
     summary = dict(val_loss=history['val_loss'][-1], val_loss_split=split[0], val_split_tokens=split[1],
                    tokens_per_s=stats['tokens_per_s'], peak_mem_gib=runlog.peak_mem_gib(device),
                    recipe=recipe, optimizer=optimizer, model_size=model_size, model_args=model_args,
-                   optimizer_state_bytes=stats['optimizer_state_bytes'],
+                   optimizer_state_bytes=stats['optimizer_state_bytes'], bf16_from=history.get('bf16_from'),
                    iters=max_iters, tokens=stats['tokens'], wall_s=stats['wall_s'],
                    device=torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu',
                    selfcheck=selfcheck.summary(), loss_curve=history)
@@ -497,10 +502,9 @@ def main(argv=None):
     if epochs > 1:
         log(f'warning: the run repeats its training data: {max_iters} steps read {epochs:.2f} epochs '
             f"of the {len(data['train']):,}-token train split")
-    if recipe == 'fullstack' and lora_rank != -1:
-        warning = fp4.lora_schedule_warning(max_iters, lora_refit_interval, lora_refit_first)
-        if warning:
-            log(f'warning: {warning}')
+    if recipe == 'fullstack' and lora_rank != -1 and (
+            warning := fp4.lora_schedule_warning(max_iters, lora_refit_interval, lora_refit_first)):
+        log(f'warning: {warning}')
     if eval_split_tokens > 0:
         split_batches(len(data['val']), world)  # fail now, not after the run
     raw_model, model_args, optimizer, iter_num, history = init_run(rank, meta)
@@ -525,6 +529,7 @@ def main(argv=None):
     tokens_per_step = batch_size * block_size * gradient_accumulation_steps
     decay_iters = lr_decay_iters if lr_decay_iters > 0 else max_iters
     warmup = warmup_iters if warmup_iters >= 0 else int(0.1 * decay_iters)
+    switch_at, save_steps = fp4_switch_step(fp4_until, max_iters), {int(s) for s in checkpoint_steps.split(',') if s}
     tokens, train_time, step_ema = 0, 0.0, None
     previous_handlers = distributed.catch_stop_signals()
     try:
@@ -534,16 +539,22 @@ def main(argv=None):
             at_eval = iter_num % eval_interval == 0 or iter_num == max_iters
             if at_eval and history['val_steps'][-1:] != [iter_num]:
                 eval_and_checkpoint(model, raw_model, optimizer, data, ctx, run)
+            if iter_num in save_steps and run['saved_step'] != iter_num and iter_num != run['start_iter']:
+                write_checkpoint(raw_model, optimizer, run)  # a branch point (study.py), before any switch below
             if iter_num >= max_iters:
                 if eval_split_tokens > 0:
                     history['val_split'] = split_loss(model, data['val'], ctx, rank, world)
                     log(f"step {iter_num}: val loss over the first {history['val_split'][1]:,} "
                         f"val tokens (the same for every seed) {history['val_split'][0]:.4f}")
                 break
+            if iter_num >= switch_at and 'bf16_from' not in history:  # BF16 from s = round(fp4_until * max_iters),
+                history['bf16_from'] = iter_num  # after s's eval (FP4's); optimizer, states, data, lr go on as they were
+                log(f'step {iter_num}: fp4_until={fp4_until}: {to_bf16_gemms(raw_model)} block linears run BF16 from here')
             lr = get_lr(iter_num, warmup, decay_iters)
             for group in optimizer.param_groups:
                 group['lr'] = lr
-            if recipe == 'fullstack' and fp4.lora_refit_due(iter_num, lora_refit_interval, lora_refit_first):
+            if (recipe == 'fullstack' and 'bf16_from' not in history  # BF16 linears use no L: no refit
+                    and fp4.lora_refit_due(iter_num, lora_refit_interval, lora_refit_first)):
                 # L = the top-r part of W, fixed until the next refit (SPEC.md 8.4)
                 n_refit = fp4.refit_lora(raw_model, seed=iter_num)
                 log(f'step {iter_num}: LoRA-SVD refit of {n_refit} linears')

@@ -6,8 +6,9 @@ import json
 import os
 
 # settings whose every value makes the same run: compile_mode changes how fast the same kernels
-# are launched (CUDA graphs or not), not what they compute
-LAUNCH_ONLY = ('compile_mode',)
+# are launched (CUDA graphs or not), not what they compute; checkpoint_steps and keep_checkpoints
+# which checkpoints an FP4 run leaves for its BF16 tails to branch from (study.py)
+LAUNCH_ONLY = ('compile_mode', 'checkpoint_steps', 'keep_checkpoints')
 
 
 def tokens_label(tokens):

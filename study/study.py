@@ -9,6 +9,8 @@ $ python study/study.py plan --recipes=bf16,quartet,nvfp4,quartet2 --seeds=0,1,2
 $ python study/study.py run  --recipes=bf16,quartet,nvfp4,quartet2 --seeds=0,1,2 --sizes=30m --tokens=50e6
 $ python study/study.py run  --recipes=bf16,quartet --seeds=0,1,2 --sizes=30m --tokens=50e6 \\
       --variant=adamw_fp4 -- --optimizer=adamw_fp4    # a named variant: extra train.py flags
+$ python study/study.py run  --recipes=bf16,quartet --seeds=0,1,2 --sizes=30m --tokens=50e6 \\
+      --tails=0.1,0.2                                  # + quartet with BF16 over the last 10%, 20% of steps
 $ python study/study.py report                               # results/<gpu>/study/report.md and PNGs
 
 Each finished run is one JSON in results/<gpu>/study/; `run` skips the runs whose JSON is
@@ -16,6 +18,13 @@ there, so a study is completed in parts, and --budget_min starts only the runs t
 Seeds are paired: train.py's seed fixes the initial weights (apply_recipe keeps the BF16
 model's Parameters), the training batches and the eval batches (get_batch is a function of
 seed and step), so recipe R and bf16 at seed s differ only by the recipe.
+
+Branch, don't rerun. A tail run (--tails: train.py's fp4_until = 1 - tail) is its FP4 run up to the
+switch step s = round(fp4_until * max_iters), bit for bit: the same seed, weights, batches, RNG
+draws and lr. So the FP4 run saves a checkpoint at each of its tails' s (train.py's
+checkpoint_steps), and each tail resumes from it (resume_from) and trains only its last steps; the
+checkpoint is deleted once its tail is recorded. A tail whose FP4 run finished without that
+checkpoint (recorded before tails were asked for, or on another machine) runs whole: the same run.
 """
 
 import argparse
@@ -32,7 +41,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -40,15 +49,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 sys.path.insert(0, ROOT)  # run as `python study/study.py` from anywhere
 
 import analysis  # noqa: E402
+import checkpoint  # noqa: E402
 import configurator  # noqa: E402
 import runlog  # noqa: E402
 import train  # noqa: E402
-from model import GPT, RECIPES, SIZES, config_for  # noqa: E402
+from model import GPT, RECIPES, SIZES, config_for, fp4_switch_step, schedule_problem  # noqa: E402
 from records import LAUNCH_ONLY, load_records, reruns_of, tokens_label, write_json  # noqa: E402,F401
 # every run: train.py's GPU step of 32K tokens (64 x 512), as one micro-batch rather than two:
 # the eager FP4 layers cost ~2 ms of host time each per micro-batch (docs/speed.md), so one halves
 # that per token, and 64 x 512 still fits 30M-100M models in an H200. 50 eval batches per
-# split = 1.6M val tokens an eval. No checkpoints: a run is the unit a study resumes by.
+# split = 1.6M val tokens an eval. No checkpoints but a BF16 tail's branch point: a run is the unit a study resumes by.
 # The lm_head's cross-entropy runs 8K tokens at a time (model.chunked_cross_entropy, the same loss):
 # the whole 32K x 100K FP32 logits would take ~25 GiB a run, and runs share the GPU (--jobs).
 # At the end, the loss over the val split's first 4M tokens (the H200's whole 3.75M-token split), the
@@ -83,17 +93,36 @@ class Run:
     seed: int
     variant: str = ''       # a name for extra train.py flags ('' = none)
     flags: tuple = ()
+    tail: float = 0.0       # > 0: this fraction of the steps at the end in BF16 (fp4_until = 1 - tail)
+
+    @property
+    def name(self):
+        """The variant with the tail: 'tail10', 'tail10_adamw_fp4' (the tail first: analysis.py reads
+        a '_fp4' ending and a 'no_' start as an optimizer twin and an ablation)."""
+        return '_'.join(n for n in (self.tail and f'tail{round(100 * self.tail)}', self.variant) if n)
 
     @property
     def group(self):
-        return self.recipe + (f'+{self.variant}' if self.variant else '')
+        return self.recipe + (f'+{self.name}' if self.name else '')
 
     @property
     def id(self):
         return f'{self.size}-{tokens_label(self.tokens)}-{self.group.replace("+", "-")}-s{self.seed}'
 
-def grid(recipes, seeds, sizes, tokens, variant='', flags=()):
-    """The runs, seed-major: a study stopped part-way leaves whole seeds, which pair."""
+    @property
+    def train_flags(self):
+        """The variant's train.py flags, and a tail's fp4_until."""
+        return self.flags + ((f'--fp4_until={round(1 - self.tail, 6)!r}',) if self.tail else ())
+
+    @property
+    def parent(self):
+        """The FP4 run a tail branches from: the same run without the tail (None for a plain run)."""
+        return replace(self, tail=0.0) if self.tail else None
+
+def grid(recipes, seeds, sizes, tokens, variant='', flags=(), tails=()):
+    """The runs, seed-major: a study stopped part-way leaves whole seeds, which pair. tails: each
+    recipe with FP4 GEMMs also with the last tail of its steps in BF16 (bf16 and float8 have none),
+    listed after the plain runs of its seed (they branch from them)."""
     for r in recipes:
         if r not in RECIPES:
             raise ValueError(f"unknown recipe {r!r}; choose from {', '.join(RECIPES)}")
@@ -107,13 +136,20 @@ def grid(recipes, seeds, sizes, tokens, variant='', flags=()):
                          'their runs are told apart from the plain ones')
     if any(t <= 0 for t in tokens) or any(s < 0 for s in seeds):
         raise ValueError(f'tokens must be > 0 and seeds >= 0, got {tokens} and {seeds}')
-    return [Run(size, float(t), r, int(seed), variant, tuple(flags))
-            for seed in seeds for size in sizes for t in tokens for r in recipes]
+    for tail in tails:
+        if not (0 < tail < 1 and abs(100 * tail - round(100 * tail)) < 1e-9):
+            raise ValueError(f'--tails={tail}: a tail is a whole percent of the steps, 0.01 to 0.99')
+    if tails and any(f.startswith('--fp4_until=') for f in flags):
+        raise ValueError('--tails sets fp4_until for each tail run; it cannot also be a flag')
+    fp4 = [r for r in recipes if schedule_problem(0.5, 2, r) is None]  # the recipes with FP4 GEMMs to switch
+    return [Run(size, float(t), r, int(seed), variant, tuple(flags), float(tail))
+            for seed in seeds for size in sizes for t in tokens
+            for r, tail in [(r, 0.0) for r in recipes] + [(r, tail) for r in fp4 for tail in tails]]
 
 def train_config(run, base_flags=(), settings=SETTINGS, work_dir=None):
     """The train.py config of a run: the study's settings, then base_flags (where: data_dir,
     device) and the variant's flags (checked by configurator), then the run's identity."""
-    over = configurator.configure(train.DEFAULTS, [*base_flags, *run.flags])
+    over = configurator.configure(train.DEFAULTS, [*base_flags, *run.train_flags])
     for key in STUDY_KEYS:
         if key in over:
             raise ValueError(f'--{key} is set by the study for each run; it cannot be a flag')
@@ -139,8 +175,9 @@ def train_argv(cfg):
     return [f'--{k}={v}' for k, v in cfg.items()]
 
 def comparable(cfg):
-    """The config a finished run must match to be reused: all but where files live."""
-    return {k: v for k, v in cfg.items() if k not in ('out_dir', 'data_dir')}
+    """The config a finished run must match to be reused: all but where files live (a branched
+    tail's resume_from too: it is the same run as the whole one)."""
+    return {k: v for k, v in cfg.items() if k not in ('out_dir', 'data_dir', 'resume_from')}
 
 @functools.cache
 def n_params(size, block_size, vocab_size=100352):
@@ -264,8 +301,10 @@ def estimate_s(run, cfg, records, directory, jobs=1):
     size first, run `jobs` at a time; else of another size, scaled by FLOPs a token; else the 30M
     train.py runs beside the study (results/<gpu>/train_30m_<recipe>.json, eager, 16K-token
     steps; the slowest of them for a recipe without one) scaled by FLOPs a token, plus 120 s.
-    Times jobs where the records ran alone (sharing the GPU assumed to gain nothing)."""
-    tokens = cfg['max_iters'] * step_tokens(cfg)
+    Times jobs where the records ran alone (sharing the GPU assumed to gain nothing). A tail that
+    branches (cfg's resume_from) trains only the steps after its switch."""
+    first = fp4_switch_step(cfg['fp4_until'], cfg['max_iters']) if cfg.get('resume_from') else 0
+    tokens = (cfg['max_iters'] - first) * step_tokens(cfg)
 
     def flops(size):
         return flops_per_token(size, cfg['block_size'])
@@ -280,7 +319,7 @@ def estimate_s(run, cfg, records, directory, jobs=1):
     if same_jobs or same or mine:
         rs = same_jobs or same or mine
         tps = max(r['tokens_per_s'] * flops(r['model_size']) / flops(run.size) for r in rs)
-        fixed = statistics.median(max(0.0, r['wall_s'] - r['tokens'] / r['tokens_per_s']) for r in rs)
+        fixed = statistics.median(max(0.0, r['wall_s'] - r.get('tokens_run', r['tokens']) / r['tokens_per_s']) for r in rs)
         return (fixed + tokens / tps) * (1 if same_jobs else jobs)
     measured = {}
     for recipe in RECIPES:
@@ -353,11 +392,15 @@ def make_record(run, cfg, rc, wall_s, context):
     """The run's JSON from out_dir/summary.json and train.log; None if it failed (retried
     next time). A run stopped on a non-finite loss is a result: status 'diverged'."""
     logs = read_logs(cfg['out_dir'])
-    rec = dict(id=run.id, group=run.group, recipe=run.recipe, variant=run.variant,
-               flags=list(run.flags), seed=run.seed, model_size=run.size,
+    rec = dict(id=run.id, group=run.group, recipe=run.recipe, variant=run.name,
+               flags=list(run.train_flags), seed=run.seed, model_size=run.size,
                tokens_requested=run.tokens, train_config=comparable(cfg), wall_s=wall_s,
                date=time.strftime('%Y-%m-%d %H:%M:%S'), **context)
     rec['tokens'] = cfg['max_iters'] * step_tokens(cfg)
+    # a branched tail trained only its last steps here (tokens_per_s and wall_s are theirs); its curve is whole
+    first = fp4_switch_step(cfg['fp4_until'], cfg['max_iters']) if cfg.get('resume_from') else 0
+    rec['branched_from'] = dict(id=run.parent.id, step=first) if first else None
+    rec['tokens_run'] = (cfg['max_iters'] - first) * step_tokens(cfg)
     rec['n_params'] = n_params(run.size, cfg['block_size'])  # Quartet's N: vocab-independent
     rec['epochs'] = rec['tokens'] / context['corpus']['train_tokens']
     m = re.search(r'non-finite loss .* at step (\d+)', logs)
@@ -385,6 +428,38 @@ def make_record(run, cfg, rc, wall_s, context):
     rec['resolved_config'] = json.loads(line.group(1)) if line else None
     return rec
 
+def add_branch_points(todo, base_flags=(), settings=SETTINGS, work_dir=None):
+    """{tail run id: (its FP4 run's out_dir, switch step)} of the tails in todo; the config of each
+    FP4 run in todo gets checkpoint_steps at its tails' switch steps, and the keep_checkpoints to keep
+    them all (neither changes a number it trains: records.LAUNCH_ONLY)."""
+    configs = {run.id: cfg for run, cfg in todo}
+    points = {}
+    for run, cfg in todo:
+        if not run.tail:
+            continue
+        step = fp4_switch_step(cfg['fp4_until'], cfg['max_iters'])
+        points[run.id] = train_config(run.parent, base_flags, settings, work_dir)['out_dir'], step
+        parent = configs.get(run.parent.id)
+        if parent is not None:
+            steps = sorted({int(s) for s in parent.get('checkpoint_steps', '').split(',') if s} | {step})
+            parent.update(checkpoint_steps=','.join(map(str, steps)), keep_checkpoints=max(2, len(steps)))
+    return points
+
+def branch_point(run, cfg, out_dir, step, log=print):
+    """The checkpoint a tail resumes from: its FP4 run's at the switch step, if that run left one
+    trained with the tail's config (but fp4_until); else None, and the tail runs whole."""
+    path = checkpoint.at_step(out_dir, step)
+    if path is None:
+        log(f'{run.id}: no checkpoint of {run.parent.id} at step {step} in {out_dir}: it runs whole')
+        return None
+    saved = torch.load(path, map_location='cpu', weights_only=False, mmap=True)['config']
+    diff = sorted(k for k, v in comparable(cfg).items()
+                  if k not in ('fp4_until', *LAUNCH_ONLY) and saved.get(k, train.DEFAULTS.get(k)) != v)
+    if diff:
+        log(f"{run.id}: {path} was trained with other {', '.join(diff)}: it runs whole")
+        return None
+    return path
+
 def run_study(runs, directory, base_flags=(), settings=SETTINGS, jobs=1, budget_s=None,
               inprocess=False, bundle=None, work_dir=None, log=print):
     """Run what is not done yet, up to jobs at a time; never start a run whose projected time
@@ -392,7 +467,10 @@ def run_study(runs, directory, base_flags=(), settings=SETTINGS, jobs=1, budget_
     wait for a running one to finish first, and skip it if it does not fit alone. Stop the ones
     still going when the budget runs out. A record's 'jobs' is how many of this study's runs shared
     the GPU at its start; its 'gpu_processes' the most processes (anyone's) seen on the GPU while it
-    ran, counted every SHARING_POLL_S (None without nvidia-smi): 1 = it ran alone. Returns (the new records, the runs left undone: failed, skipped or stopped)."""
+    ran, counted every SHARING_POLL_S (None without nvidia-smi): 1 = it ran alone. A BF16 tail starts
+    after its FP4 run is recorded, from that run's checkpoint at the switch step (branch_point), which
+    is deleted once the tail is recorded; it is left undone if its FP4 run is. Returns (the new
+    records, the runs left undone: failed, skipped or stopped)."""
     t0 = time.time()
     configs = [train_config(r, base_flags, settings, work_dir) for r in runs]
     records = load_records(directory)
@@ -402,6 +480,7 @@ def run_study(runs, directory, base_flags=(), settings=SETTINGS, jobs=1, budget_
         raise ValueError('in-process runs go one at a time (jobs=1)')
     if not todo:
         return [], []
+    points = add_branch_points(todo, base_flags, settings, work_dir)
     os.makedirs(directory, exist_ok=True)
     commit, dirty = runlog.git_state()
     # prepared before the first run starts (the budget counts it): a variant may use other data
@@ -417,16 +496,27 @@ def run_study(runs, directory, base_flags=(), settings=SETTINGS, jobs=1, budget_
 
     while todo or running:
         while todo and len(running) < jobs:
-            run, cfg = todo[0]
+            going = {r.id for r, _ in todo} | {item[0].id for item in running}
+            i = next((i for i, (r, _) in enumerate(todo) if not (r.tail and r.parent.id in going)), None)
+            if i is None:  # tails whose FP4 run goes on: they start once it is recorded
+                break
+            run, cfg = todo[i]
+            if run.tail and run.parent.id in {r.id for r in left}:
+                log(f'skip {run.id}: its FP4 run {run.parent.id} is not done')
+                left.append(todo.pop(i)[0])
+                continue
+            if run.id in points and 'resume_from' not in cfg:
+                path = branch_point(run, cfg, *points.pop(run.id), log=log)
+                cfg.update({'resume_from': path} if path else {})
             sharing = len(running) + 1  # the runs on the GPU once it starts
             est = estimate_s(run, cfg, records, directory, sharing)
             if est > left_s():
                 if running:  # it may fit once fewer runs share the GPU: wait for one to finish
                     break
                 log(f'skip {run.id}: projected {est / 60:.1f} min, {left_s() / 60:.1f} left')
-                left.append(todo.pop(0)[0])
+                left.append(todo.pop(i)[0])
                 continue
-            todo.pop(0)
+            todo.pop(i)
             path = data_path(cfg)
             context = dict(git_commit=commit, git_dirty=dirty, jobs=sharing, corpus=corpora[path])
             epochs = cfg['max_iters'] * step_tokens(cfg) / corpora[path]['train_tokens']
@@ -460,6 +550,8 @@ def run_study(runs, directory, base_flags=(), settings=SETTINGS, jobs=1, budget_
             write_json(os.path.join(directory, run.id + '.json'), rec)
             records[run.id] = rec
             new.append(rec)
+            if cfg.get('resume_from'):  # the branch point served its one tail
+                os.remove(cfg['resume_from'])
             log(f"done {run.id}: {rec['status']}, val loss {rec['val_loss']}, "
                 f"{rec['tokens_per_s'] or 0:,.0f} tok/s, {rec['wall_s'] / 60:.1f} min, "
                 f"{rec.get('gpu_processes')} process(es) on the GPU at most")
@@ -469,16 +561,21 @@ def run_study(runs, directory, base_flags=(), settings=SETTINGS, jobs=1, budget_
             time.sleep(1)
     return new, left
 
-def plan(runs, directory, base_flags=(), settings=SETTINGS, jobs=1, log=print):
-    """What `run` would do, with projected times; runs nothing."""
-    configs = [train_config(r, base_flags, settings) for r in runs]
+def plan(runs, directory, base_flags=(), settings=SETTINGS, jobs=1, work_dir=None, log=print):
+    """What `run` would do, with projected times; runs nothing. A tail branches where its FP4 run is
+    to run too, or left its checkpoint."""
+    configs = [train_config(r, base_flags, settings, work_dir) for r in runs]
     records = load_records(directory)
     todo, done = split_done(runs, configs, records)
+    points, ids = add_branch_points(todo, base_flags, settings, work_dir), {r.id for r, _ in todo}
     total = 0.0
     for run, cfg in todo:
-        est = estimate_s(run, cfg, records, directory, jobs)
+        out_dir, step = points.get(run.id, (None, 0))
+        branched = out_dir and (run.parent.id in ids or branch_point(run, cfg, out_dir, step, log=lambda m: None))
+        est = estimate_s(run, dict(cfg, resume_from='branched') if branched else cfg, records, directory, jobs)
         total += est
-        log(f'{run.id}: {cfg["max_iters"]} steps, projected {est / 60:.1f} min')
+        log(f'{run.id}: {cfg["max_iters"]} steps' + (f', branched from {run.parent.id} at step {step}' if branched else '')
+            + f', projected {est / 60:.1f} min')
     log(f'{len(done)} done, {len(todo)} to run: projected {total / 60:.0f} min of runs, {jobs} at a '
         f'time ({total / 60 / jobs:.0f} min of wall time)')
     return todo
@@ -499,6 +596,8 @@ def main(argv=None):
         p.add_argument('--sizes', default='30m', help=f"model sizes: {', '.join(SIZES)}")
         p.add_argument('--tokens', default='50e6', help='token budgets, e.g. 25e6,50e6')
         p.add_argument('--variant', default='', help='the name of the train.py flags given after --')
+        p.add_argument('--tails', default='', help='e.g. 0.1,0.2: each FP4 recipe also with the last 10%%, 20%% of '
+                       'its steps in BF16 (train.py fp4_until), branched from its FP4 run')
         p.add_argument('--jobs', type=int, default=1, help='runs at once on the one GPU')
         p.add_argument('--budget_min', type=float, default=None,
                        help='start only runs that fit in these minutes; stop what runs at the end')
@@ -525,7 +624,8 @@ def main(argv=None):
         analysis.report(directory, args.law, args.boot, min_tokens_per_param=args.law_min_tpp)
         return 0
     runs = grid(args.recipes.split(','), [int(s) for s in args.seeds.split(',')],
-                args.sizes.split(','), [float(t) for t in args.tokens.split(',')], args.variant, flags)
+                args.sizes.split(','), [float(t) for t in args.tokens.split(',')], args.variant, flags,
+                [float(t) for t in args.tails.split(',') if t])
     base = [f'--data_dir={args.data_dir}'] if args.data_dir else []
     if args.command == 'plan':
         plan(runs, directory, base, jobs=args.jobs)

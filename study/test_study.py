@@ -18,7 +18,7 @@ import analysis
 import runlog
 import study
 import train
-from model import GPT, config_for
+from model import GPT, config_for, fp4_switch_step
 from test_train import write_corpus
 
 try:
@@ -236,6 +236,104 @@ def test_estimate_from_finished_runs(tmp_path):
     assert study.estimate_s(run, cfg, {}, str(tmp_path / 'study')) == pytest.approx(120 + tokens / 2e5)
 
 # -----------------------------------------------------------------------------
+# BF16 tails: branched from their FP4 run's checkpoint at the switch step
+
+def test_grid_with_tails():
+    runs = study.grid(['bf16', 'float8', 'quartet'], [0, 1], ['30m'], [50e6], tails=[0.1, 0.2])
+    assert [r.id for r in runs[:5]] == ['30m-50M-bf16-s0', '30m-50M-float8-s0', '30m-50M-quartet-s0',
+                                        '30m-50M-quartet-tail10-s0', '30m-50M-quartet-tail20-s0']  # no FP4 GEMMs: no tails
+    assert len(runs) == 10 and runs[5].id == '30m-50M-bf16-s1'  # seed-major, the tails after their FP4 run
+    tail = runs[3]
+    assert tail.group == 'quartet+tail10' and tail.parent == runs[2] and runs[2].parent is None
+    assert tail.train_flags == ('--fp4_until=0.9',) and runs[4].train_flags == ('--fp4_until=0.8',)
+    cfg = study.train_config(tail)
+    assert cfg['fp4_until'] == 0.9 and fp4_switch_step(0.9, cfg['max_iters']) == round(0.9 * 1526) == 1373
+    var = study.grid(['quartet'], [0], ['30m'], [50e6], 'adamw_fp4', ['--optimizer=adamw_fp4'], tails=[0.2])
+    assert [r.id for r in var] == ['30m-50M-quartet-adamw_fp4-s0', '30m-50M-quartet-tail20_adamw_fp4-s0']
+    assert var[1].train_flags == ('--optimizer=adamw_fp4', '--fp4_until=0.8') and var[1].parent == var[0]
+    for bad in (0.125, 1.0, 0.0):
+        with pytest.raises(ValueError, match='whole percent'):
+            study.grid(['quartet'], [0], ['30m'], [50e6], tails=[bad])
+    with pytest.raises(ValueError, match='cannot also be a flag'):
+        study.grid(['quartet'], [0], ['30m'], [50e6], 'x', ['--fp4_until=0.5'], tails=[0.1])
+    assert study.main(['plan', '--recipes=bf16,float8,quartet,nvfp4', '--tails=0.1,0.2', '--seeds=0,1,2',
+                       '--sizes=30m', '--tokens=50e6', '--results=/nonexistent/study']) == 0
+
+def fake_branching_start(outcomes=None):
+    """fake_start, and like train.py an FP4 run leaves a checkpoint (its iter_num and config) at each of
+    its checkpoint_steps: the older ones as ckpt.<step>.pt, the last as ckpt.pt. Returns the configs."""
+    start, _ = fake_start(outcomes or {})
+    configs = {}
+
+    def branching(run, cfg, inprocess):
+        configs[run.id] = dict(cfg)
+        steps = [int(s) for s in cfg.get('checkpoint_steps', '').split(',') if s]
+        os.makedirs(cfg['out_dir'], exist_ok=True)
+        for i, step in enumerate(steps):
+            name = 'ckpt.pt' if i == len(steps) - 1 else f'ckpt.{step}.pt'
+            torch.save(dict(iter_num=step, config={**train.DEFAULTS, **cfg}), os.path.join(cfg['out_dir'], name))
+        return start(run, cfg, inprocess)
+    return branching, configs
+
+def test_tails_branch_from_their_fp4_runs_checkpoint(tmp_path, monkeypatch, no_corpus):
+    """Each tail starts once its FP4 run is recorded, from that run's checkpoint at its switch step
+    (which the FP4 run's config asked for), trains only its tail, and the checkpoint goes once the
+    tail is recorded. Without the checkpoint (the FP4 run recorded before), a tail runs whole; with
+    one of another config too; a tail whose FP4 run failed waits for a later call."""
+    results, work, logs = str(tmp_path / 'res'), str(tmp_path / 'work'), []
+    kw = dict(settings=TINY, work_dir=work, log=logs.append)
+    runs = study.grid(['bf16', 'quartet'], [0], ['tiny'], [1e4], tails=[0.25, 0.5])  # 39 steps: s 29, 20 (19.5: to even)
+    start, configs = fake_branching_start()
+    monkeypatch.setattr(study, 'start', start)
+    new, left = study.run_study(runs, results, jobs=2, **kw)  # the tails wait for their FP4 run, not for a slot
+    assert list(configs) == [r.id for r in runs] and not left
+    parent = os.path.join(work, 'tiny-10K-quartet-s0')
+    fp4 = configs['tiny-10K-quartet-s0']
+    assert fp4['checkpoint_steps'] == '20,29' and fp4['keep_checkpoints'] == 2
+    assert 'checkpoint_steps' not in configs['tiny-10K-bf16-s0']
+    assert configs['tiny-10K-quartet-tail25-s0']['resume_from'] == os.path.join(parent, 'ckpt.pt')
+    assert configs['tiny-10K-quartet-tail50-s0']['resume_from'] == os.path.join(parent, 'ckpt.20.pt')
+    assert not [f for f in os.listdir(parent) if f.startswith('ckpt')]  # each served its tail: deleted
+    recs = study.load_records(results)
+    tail = recs['tiny-10K-quartet-tail25-s0']
+    assert tail['branched_from'] == dict(id='tiny-10K-quartet-s0', step=29) and tail['tokens_run'] == 10 * 256
+    assert tail['tokens'] == 39 * 256 and tail['flags'] == ['--fp4_until=0.75'] and tail['group'] == 'quartet+tail25'
+    assert 'resume_from' not in tail['train_config'] and tail['train_config']['fp4_until'] == 0.75
+    assert recs['tiny-10K-quartet-s0']['branched_from'] is None
+    # no checkpoint left: the tail runs whole (the same run), and says why
+    os.remove(os.path.join(results, 'tiny-10K-quartet-tail25-s0.json'))
+    configs.clear()
+    study.run_study(runs, results, **kw)
+    assert list(configs) == ['tiny-10K-quartet-tail25-s0'] and 'resume_from' not in configs['tiny-10K-quartet-tail25-s0']
+    assert any('no checkpoint of tiny-10K-quartet-s0 at step 29' in m for m in logs)
+    assert study.load_records(results)['tiny-10K-quartet-tail25-s0']['branched_from'] is None
+    # a checkpoint of another config (the study's settings changed since): whole again
+    torch.save(dict(iter_num=29, config={**train.DEFAULTS, **fp4, 'learning_rate': 0.5}), os.path.join(parent, 'ckpt.pt'))
+    os.remove(os.path.join(results, 'tiny-10K-quartet-tail25-s0.json'))
+    configs.clear()
+    study.run_study(runs, results, **kw)
+    assert 'resume_from' not in configs['tiny-10K-quartet-tail25-s0']
+    assert any('was trained with other learning_rate: it runs whole' in m for m in logs)
+    # the FP4 run fails: its tails are left for a later call, not run whole
+    start, configs = fake_branching_start({'tiny-10K-quartet-s1': 'fail'})
+    monkeypatch.setattr(study, 'start', start)
+    runs1 = study.grid(['quartet'], [1], ['tiny'], [1e4], tails=[0.25])
+    new, left = study.run_study(runs1, results, **kw)
+    assert list(configs) == ['tiny-10K-quartet-s1'] and [r.id for r in left] == [r.id for r in runs1]
+    assert 'skip tiny-10K-quartet-tail25-s1: its FP4 run tiny-10K-quartet-s1 is not done' in logs
+
+def test_tail_estimate_counts_only_its_tail(tmp_path):
+    tail = study.grid(['quartet'], [0], ['30m'], [25e6], tails=[0.2])[1]
+    cfg = study.train_config(tail)  # 763 steps; the switch at round(0.8 * 763) = 610
+    done = {'a': dict(status='ok', model_size='30m', recipe='quartet', tokens_per_s=1e5, tokens=5e7, wall_s=600.0, jobs=1)}
+    assert study.estimate_s(tail, cfg, done, str(tmp_path)) == pytest.approx(100 + 763 * 32768 / 1e5)
+    branched = dict(cfg, resume_from='ckpt.pt')
+    assert study.estimate_s(tail, branched, done, str(tmp_path)) == pytest.approx(100 + (763 - 610) * 32768 / 1e5)
+    # a branched tail's record: its fixed cost from the tokens it trained, not the whole run's
+    done = {'t': dict(done['a'], group='quartet+tail20', tokens_run=153 * 32768, wall_s=100 + 153 * 32768 / 1e5)}
+    assert study.estimate_s(tail, branched, done, str(tmp_path)) == pytest.approx(100 + 153 * 32768 / 1e5)
+
+# -----------------------------------------------------------------------------
 # real runs of train.py on a synthetic corpus
 
 def test_gpu_processes_counts_nvidia_smi_lines(monkeypatch):
@@ -301,6 +399,36 @@ def test_study_end_to_end(tmp_path):
     md = open(os.path.join(results, 'report.md')).read()
     assert '| tiny | 2.048K |' in md and 'Law fit: not yet' in md
     assert os.path.getsize(os.path.join(results, 'curves_tiny_2.048K.png')) > 10_000
+
+@pytest.mark.skipif(not HAVE_FP4, reason='fp4.to_fp4 not available')
+def test_branched_tail_is_the_whole_tail_run(tmp_path):
+    """nvfp4 with BF16 over its last 2 of 8 steps (round(0.75 * 8) = 6), in-process: branched from the
+    FP4 run's step-6 checkpoint it records the same curve and split loss, bit for bit, as run whole
+    (no FP4 run to branch from); the report compares it with bf16 and with plain nvfp4."""
+    corpus = str(tmp_path / 'corpus')
+    os.makedirs(corpus)
+    write_corpus(corpus, n=4000)
+    flags = [f'--data_dir={corpus}', *CPU]
+    settings = dict(TINY, eval_iters=1, eval_split_tokens=256)
+    runs = study.grid(['bf16', 'nvfp4'], [1], ['tiny'], [8 * 32 * 8], tails=[0.25])
+    results = str(tmp_path / 'res')
+    new, left = study.run_study(runs, results, flags, settings, inprocess=True, work_dir=str(tmp_path / 'w'),
+                                log=lambda m: None)
+    assert len(new) == 3 and not left
+    recs = study.load_records(results)
+    branched = recs['tiny-2.048K-nvfp4-tail25-s1']
+    fp4 = recs['tiny-2.048K-nvfp4-s1']
+    assert branched['branched_from'] == dict(id=fp4['id'], step=6) and branched['tokens_run'] == 2 * 256
+    assert branched['curve']['bf16_from'] == 6 and branched['curve']['train_loss'][:6] == fp4['curve']['train_loss'][:6]
+    assert branched['curve']['train_loss'][6:] != fp4['curve']['train_loss'][6:]
+    whole, _ = study.run_study([study.Run('tiny', 8 * 32 * 8, 'nvfp4', 1, tail=0.25)], str(tmp_path / 'res2'), flags,
+                               settings, inprocess=True, work_dir=str(tmp_path / 'w2'), log=lambda m: None)
+    assert whole[0]['branched_from'] is None
+    for key in ('curve', 'val_loss', 'val_loss_split', 'train_config'):
+        assert whole[0][key] == branched[key], key
+    rows, _ = analysis.report(results, log=lambda m: None)
+    row = next(r for r in rows if r['group'] == 'nvfp4+tail25')
+    assert row['ref'] == 'bf16' and row['base'] == 'nvfp4'
 
 def test_subprocess_run_and_stop(tmp_path, monkeypatch):
     """The real launcher: a train.py subprocess that finishes is recorded; one still running
