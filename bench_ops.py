@@ -18,6 +18,7 @@ import torch
 
 import fp4
 import cuda_kernels as kernels
+import linear
 from runlog import git_state
 
 
@@ -161,7 +162,7 @@ def section_kernels(args):
             ("  kernel only: mx quest+H32 rn +mask +fold (fwd, fp8 operand)", xin + _qbytes(qf) + x.numel() + 4 * r,
              kernel_only(lambda: fp4.quantize(x, "mxfp4", scale_rule="quest", hadamard=32, fold=True))),
             ("  kernel only: rotate_back (mask + H32, bf16)", 2 * xin + qf.mask.numel(),
-             kernel_only(lambda: fp4._rotate_back(x, qf, 32))),
+             kernel_only(lambda: linear._rotate_back(x, qf, 32))),
             # NVFP4's two passes apart: where its full call's time goes
             ("  kernel only: nv absmax rn, both passes", 2 * xin + _qbytes(qn), kernel_only(lambda: fp4.quantize(x, "nvfp4"))),
             ("  kernel only: nv absmax rn, tensor-amax pre-pass", xin,
@@ -386,16 +387,16 @@ def section_linear(args):
         ref = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
         layers = {"bf16": ref, "fp8-rowwise": lambda t: FP8RowwiseLinear.apply(t, ref.weight)}
         for recipe in ("quartet", "nvfp4", "quartet2", "fullstack"):
-            lin = fp4.FP4Linear(k, n, recipe=recipe, device="cuda", dtype=torch.bfloat16)
+            lin = linear.FP4Linear(k, n, recipe=recipe, device="cuda", dtype=torch.bfloat16)
             lin.weight = ref.weight
-            fp4.refit_lora(lin)  # fullstack's L from this weight (no-op for the others)
+            linear.refit_lora(lin)  # fullstack's L from this weight (no-op for the others)
             layers[recipe] = lin
         base = None
         runs = {name: _fwd_bwd(layer, x, grad) for name, layer in layers.items()}
         for name in ("bf16", "quartet"):  # no host overhead: one graph replay (fresh seeds each)
             # make_graphed_callables replaces a module's forward: graph a twin sharing the weight
             twin = (torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16) if name == "bf16" else
-                    fp4.FP4Linear(k, n, recipe=name, device="cuda", dtype=torch.bfloat16))
+                    linear.FP4Linear(k, n, recipe=name, device="cuda", dtype=torch.bfloat16))
             twin.weight = ref.weight
             runs[f"{name} (CUDA graph)"] = _fwd_bwd(torch.cuda.make_graphed_callables(twin, (x,)), x, grad)
         runs.update(_gemms_only(x.detach(), ref.weight.detach(), grad))
@@ -607,7 +608,7 @@ def section_profile(args):
     grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     rows = []
     for recipe in ("quartet", "nvfp4"):
-        lin = fp4.FP4Linear(k, n, recipe=recipe, device="cuda", dtype=torch.bfloat16)
+        lin = linear.FP4Linear(k, n, recipe=recipe, device="cuda", dtype=torch.bfloat16)
         run = _fwd_bwd(lin, x, grad)
         bench(run, warmup=2, reps=3)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -631,7 +632,7 @@ def section_overhead(args):
     e = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     s_cpu, s_gpu = fp4.random_signs(32, 1), fp4.random_signs(32, 1, "cuda")
     qx = fp4.quantize(x, scale_rule="quest", hadamard=32)
-    lin = fp4.FP4Linear(k, n, device="cuda", dtype=torch.bfloat16)
+    lin = linear.FP4Linear(k, n, device="cuda", dtype=torch.bfloat16)
     xg = x.clone().requires_grad_()
     steps = {
         "torch.empty": lambda: torch.empty(m, k, device="cuda"),

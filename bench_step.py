@@ -17,7 +17,7 @@ import traceback
 
 import torch
 
-import fp4
+import linear
 from bench_ops import FP8RowwiseLinear, SkipVariant, bench, print_table, save_rows
 
 
@@ -74,7 +74,7 @@ def _step_net(args, variant, loss_chunk=0, recompute="none", device="cuda"):
         net = _fp8_model(net)
     else:
         net = llama.apply_recipe(net, base)
-        fp4.refit_lora(net)  # fullstack: fit L as train.py does at step 0 (no-op for the others)
+        linear.refit_lora(net)  # fullstack: fit L as train.py does at step 0 (no-op for the others)
     return net, cfg
 
 

@@ -28,7 +28,7 @@ import optim
 import train
 from test_train import HAVE_FP4, write_corpus
 
-needs_fp4 = pytest.mark.skipif(not HAVE_FP4, reason='fp4.to_fp4 not available yet')
+needs_fp4 = pytest.mark.skipif(not HAVE_FP4, reason='linear.to_fp4 not available yet')
 WORLD = 2
 DEADLINE_S = 60  # per run; each takes under 15 s on 2 busy cores: a hang fails, not stalls CI
 ATTEMPTS = 2  # a run that hangs past the deadline is killed and started once more
@@ -71,19 +71,19 @@ class Spy:
     """Records what FP4Linear's forward receives as its weight: (type, shape, dtype, DTensor?)."""
 
     def __init__(self):
-        import fp4
-        self.fp4, self.impl, self.seen = fp4, fp4._linear_fwd_impl, set()
+        import linear
+        self.linear, self.impl, self.seen = linear, linear._linear_fwd_impl, set()
 
     def __enter__(self):
         from torch.distributed.tensor import DTensor
         def spy(x, w, recipe, out_dtype):
             self.seen.add((type(w).__name__, tuple(w.shape), str(w.dtype), isinstance(w, DTensor)))
             return self.impl(x, w, recipe, out_dtype)
-        self.fp4._linear_fwd_impl = spy
+        self.linear._linear_fwd_impl = spy
         return self
 
     def __exit__(self, *exc):
-        self.fp4._linear_fwd_impl = self.impl
+        self.linear._linear_fwd_impl = self.impl
 
 
 def whole_matrix_check(rank, world):

@@ -13,6 +13,7 @@ import torch
 
 import formats
 import fp4
+import linear
 import selfcheck
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -174,7 +175,7 @@ def test_layer_with_a_failing_native_path_trains_on_the_fallback_and_logs_it(mon
         return y.detach(), x.grad.clone(), layer.weight.grad.clone()
 
     torch.manual_seed(1)
-    layer, x = fp4.FP4Linear(256, 128), torch.randn(64, 256)
+    layer, x = linear.FP4Linear(256, 128), torch.randn(64, 256)
     want = step(layer, x.clone().requires_grad_())
     lines = []
     selfcheck.attach(lines.append)

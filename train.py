@@ -33,6 +33,8 @@ import configurator
 import corpus
 import distributed
 import fp4
+import linear
+import lora
 import optim
 import runlog
 import selfcheck
@@ -498,7 +500,7 @@ def main(argv=None):
         log(f'warning: the run repeats its training data: {max_iters} steps read {epochs:.2f} epochs '
             f"of the {len(data['train']):,}-token train split")
     if recipe == 'fullstack' and lora_rank != -1:
-        warning = fp4.lora_schedule_warning(max_iters, lora_refit_interval, lora_refit_first)
+        warning = lora.lora_schedule_warning(max_iters, lora_refit_interval, lora_refit_first)
         if warning:
             log(f'warning: {warning}')
     if eval_split_tokens > 0:
@@ -543,9 +545,9 @@ def main(argv=None):
             lr = get_lr(iter_num, warmup, decay_iters)
             for group in optimizer.param_groups:
                 group['lr'] = lr
-            if recipe == 'fullstack' and fp4.lora_refit_due(iter_num, lora_refit_interval, lora_refit_first):
+            if recipe == 'fullstack' and lora.lora_refit_due(iter_num, lora_refit_interval, lora_refit_first):
                 # L = the top-r part of W, fixed until the next refit (SPEC.md 8.4)
-                n_refit = fp4.refit_lora(raw_model, seed=iter_num)
+                n_refit = linear.refit_lora(raw_model, seed=iter_num)
                 log(f'step {iter_num}: LoRA-SVD refit of {n_refit} linears')
             t0 = time.time()
             loss, norm = train_step(train_model, optimizer, data, iter_num, accum, rank, ctx)

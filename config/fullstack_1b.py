@@ -3,7 +3,7 @@
 # $ torchrun --standalone --nproc_per_node=8 train.py config/fullstack_1b.py
 model_size = '1b'
 recipe = 'fullstack'      # every block linear: NVFP4 four-over-six + a BF16 LoRA-SVD part (8.4)
-lora_rank = 0             # 0: fp4.lora_rank_for's rule (128 at d 2048); -1: no low-rank part
+lora_rank = 0             # 0: lora.lora_rank_for's rule (128 at d 2048); -1: no low-rank part
 lora_refit_interval = 4000  # and at steps 50, 100, 200, ... before it (train.py's lora_refit_first)
 # end_blocks 'auto': all 16 blocks FP4, as bench.py measured fullstack's memory (0.444x BF16's);
 # --end_blocks=bf16 (as config/fullstack_30m.py) was 0.58% closer to BF16 at 30M, not run at 1B

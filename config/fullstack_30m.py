@@ -3,7 +3,7 @@
 # $ torchrun --standalone --nproc_per_node=8 train.py config/fullstack_30m.py
 model_size = '30m'
 recipe = 'fullstack'      # every block linear: NVFP4 four-over-six + a BF16 LoRA-SVD part (8.4)
-lora_rank = 0             # 0: fp4.lora_rank_for's rule (48 at d 640); -1: no low-rank part
+lora_rank = 0             # 0: lora.lora_rank_for's rule (48 at d 640); -1: no low-rank part
 lora_refit_interval = 4000  # and at steps 50, 100, 200, ... before it (train.py's lora_refit_first)
 end_blocks = 'bf16'       # first and last blocks BF16, as nvfp4 does: at 30M, 13M tokens, 0.58%
                           # [0.24%, 0.93%] closer to BF16 than all six in FP4 (docs/accuracy.md)

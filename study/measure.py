@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import bench_ops  # noqa: E402
 import fp4  # noqa: E402
+import linear  # noqa: E402
 from bench_ops import FP4_SPEEDUP, ns_shapes, print_table, print_table_row  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
@@ -478,9 +479,9 @@ NS_UNEVEN_COLS = ["matrix", "shape", "source", "row_spread", "col_spread", "prec
 def layer(w, recipe, rank):
     """An FP4Linear holding w under recipe (fullstack: with lora_rank = rank, L fitted)."""
     n, k = w.shape
-    lin = fp4.FP4Linear(k, n, recipe=recipe, device=w.device, **({"lora_rank": rank} if recipe == "fullstack" else {}))
+    lin = linear.FP4Linear(k, n, recipe=recipe, device=w.device, **({"lora_rank": rank} if recipe == "fullstack" else {}))
     lin.weight.data.copy_(w)
-    fp4.refit_lora(lin)
+    linear.refit_lora(lin)
     return lin
 
 
@@ -651,21 +652,21 @@ _NVFP4_DGRAD = dict(dgrad_e=dict(rounding="sr"), dgrad_w=dict(rounding="rn", sca
 _NVFP4_WGRAD = dict(wgrad_e=dict(rounding="sr", hadamard=16), wgrad_x=dict(rounding="rn", hadamard=16))
 BACKWARDS = {  # nvfp4's dgrad reuses 16x16 weight tiles; R is four_over_six 1x16, so it is re-quantized RN
     "nvfp4 (E: SR; wgrad RHT-16)": {**_NVFP4_DGRAD, **_NVFP4_WGRAD},
-    "quartet2 (RHT-128 + MS-EDEN)": dict(dgrad_e=fp4._EDEN, dgrad_w=fp4._EDEN, wgrad_e=fp4._EDEN, wgrad_x=fp4._EDEN),
-    "nvfp4 dgrad, MS-EDEN wgrad": dict(**_NVFP4_DGRAD, wgrad_e=fp4._EDEN, wgrad_x=fp4._EDEN),
-    "MS-EDEN dgrad, nvfp4 wgrad": dict(dgrad_e=fp4._EDEN, dgrad_w=fp4._EDEN, **_NVFP4_WGRAD),
+    "quartet2 (RHT-128 + MS-EDEN)": dict(dgrad_e=linear._EDEN, dgrad_w=linear._EDEN, wgrad_e=linear._EDEN, wgrad_x=linear._EDEN),
+    "nvfp4 dgrad, MS-EDEN wgrad": dict(**_NVFP4_DGRAD, wgrad_e=linear._EDEN, wgrad_x=linear._EDEN),
+    "MS-EDEN dgrad, nvfp4 wgrad": dict(dgrad_e=linear._EDEN, dgrad_w=linear._EDEN, **_NVFP4_WGRAD),
 }
 
 
 @contextmanager
 def fullstack_backward(change):
     """RECIPES['fullstack'] with some backward operands' treatment replaced, for the duration."""
-    saved = fp4.RECIPES["fullstack"]
-    fp4.RECIPES["fullstack"] = {**saved, **change}
+    saved = linear.RECIPES["fullstack"]
+    linear.RECIPES["fullstack"] = {**saved, **change}
     try:
         yield
     finally:
-        fp4.RECIPES["fullstack"] = saved
+        linear.RECIPES["fullstack"] = saved
 
 
 def compare_backwards(cases, rank, calls):

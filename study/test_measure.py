@@ -131,7 +131,7 @@ def test_held_lora_rows_tell_a_stale_L_from_a_refit(tmp_path):
     the L it holds leaves more of W outside it than a refit does (Eckart-Young), and cuts the
     output error by less. With the checkpoint's L replaced by the refit measure.layer makes (the
     same randomized SVD, the same seed), "as held" is that refit exactly."""
-    import fp4
+    import lora
     import train
     from test_train import write_corpus
     write_corpus(str(tmp_path))
@@ -149,7 +149,7 @@ def test_held_lora_rows_tell_a_stale_L_from_a_refit(tmp_path):
     for w, _, _ in layers:  # the refit measure.layer would make, written into the checkpoint
         name = next(k[:-len(".weight")] for k, v in ckpt["model"].items() if k.endswith(".weight") and v is not None
                     and v.shape == w.shape and torch.equal(v.float(), w))
-        u, s, v = fp4.randomized_svd(w, ckpt["model"][name + ".lora_us"].shape[1], seed=0)
+        u, s, v = lora.randomized_svd(w, ckpt["model"][name + ".lora_us"].shape[1], seed=0)
         ckpt["model"][name + ".lora_us"].copy_(u * s)
         ckpt["model"][name + ".lora_v"].copy_(v)
     torch.save(ckpt, path)
