@@ -667,7 +667,7 @@ def section_overhead(args):
 
 
 # ---------------------------------------------------------------------------------------------
-# ns_time: Newton-Schulz in FP4 (optim.py, SPEC 8.2): GPU time per optimizer step of the 1B model
+# ns_time: Newton-Schulz in FP4 (newton_schulz.py, SPEC 8.2): GPU time per optimizer step of the 1B model
 # (its quality per design, on a CPU too: python study/measure.py --sections ns)
 
 FP4_SPEEDUP = 4.0  # Blackwell: dense NVFP4 tensor-core rate / dense BF16 rate (B200 and RTX 5090 spec sheets)
@@ -686,7 +686,7 @@ def section_ns_time(args):
     """Newton-Schulz time per optimizer step for all 2-D hidden matrices of --model (4 per block),
     per precision, on this GPU. blackwell_cost_vs_bf16 is a PROJECTION from the GEMM FLOPs
     (NVFP4 at FP4_SPEEDUP x the BF16 rate, quantization passes not counted), not a measurement."""
-    import optim
+    import newton_schulz
     shapes = [s for s in ns_shapes(args.model).values() for _ in range(llama_layers(args.model))]
     gen = torch.Generator(device="cuda").manual_seed(0)
     mats = {s: torch.randn(*s, device="cuda", generator=gen) for s in set(shapes)}
@@ -696,15 +696,15 @@ def section_ns_time(args):
                               ("nvfp4", "compensated_tail, graphed"), ("nvfp4", "diagonal_tail, graphed")]:
         d = design.partition(",")[0] if design != "-" else "compensated_tail"
         stats = {}
-        ns = optim.GraphedNS() if design.endswith("graphed") else None  # ROOT's default on a GPU
+        ns = newton_schulz.GraphedNS() if design.endswith("graphed") else None  # ROOT's default on a GPU
 
         def step(stats=None):
             for s in shapes:
-                abc = optim.ns_coefficients(s, "root")
+                abc = newton_schulz.ns_coefficients(s, "root")
                 if ns is not None and stats is None:
                     ns(mats[s], 5, abc, precision, d)
                 else:
-                    optim.newton_schulz(mats[s], 5, abc, precision, d, stats)
+                    newton_schulz.newton_schulz(mats[s], 5, abc, precision, d, stats)
 
         step(stats)  # counts the FLOPs (eagerly: a graph replays the same GEMMs)
         ms = bench(step, warmup=1, reps=3)

@@ -81,8 +81,8 @@ def _step_net(args, variant, loss_chunk=0, recompute="none", device="cuda"):
 def _step_model(args, variant, optimizer="adamw", loss_chunk=0, recompute="none"):
     """The step variant's model on the GPU with its optimizer (as train.py makes it)."""
     net, cfg = _step_net(args, variant, loss_chunk, recompute)
-    import optim  # the optimizer as train.py builds it (optim.build)
-    return net, optim.build(net, optimizer, lr=1e-4, weight_decay=0.1), cfg
+    import muon  # the optimizer as train.py builds it (muon.build)
+    return net, muon.build(net, optimizer, lr=1e-4, weight_decay=0.1), cfg
 
 
 def _step_batch(args, cfg, device="cuda"):

@@ -264,7 +264,7 @@ class GPT(nn.Module):
 
     def configure_optimizers(self, weight_decay, learning_rate, betas):
         # decay matrices (linears, embeddings); not norms, biases or other 1-d params. train.py
-        # builds its optimizers through optim.build (adamw, adamw_fp4, muon, root, root_fp4)
+        # builds its optimizers through muon.build (adamw, adamw_fp4, muon, root, root_fp4)
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [
             {'params': [p for p in params if p.dim() >= 2], 'weight_decay': weight_decay},

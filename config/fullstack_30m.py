@@ -9,7 +9,7 @@ end_blocks = 'bf16'       # first and last blocks BF16, as nvfp4 does: at 30M, 1
                           # [0.24%, 0.93%] closer to BF16 than all six in FP4 (docs/accuracy.md)
 attention = 'nvfp4'       # Q, K, V quantized once; Q K^T and the dS products in NVFP4 (8.3)
 optimizer = 'root_fp4'    # ROOT with NVFP4 Newton-Schulz (BF16 momentum) on the 2-D hidden
-                          # weights (8.2); AdamW with FP4 states (8.1) on the rest (optim.build)
+                          # weights (8.2); AdamW with FP4 states (8.1) on the rest (muon.build)
 dataset = 'fineweb'
 out_dir = 'out/30m-fullstack'
 block_size = 512

@@ -188,7 +188,7 @@ def test_main_writes_meta_and_rows(tmp_path):
 # root_states
 
 def test_momentum_replay_tells_the_formats_apart():
-    """What optim.ROOT_STATES rests on, at a small shape (128x256, 40 steps, noise 3; seed 0).
+    """What muon.ROOT_STATES rests on, at a small shape (128x256, 40 steps, noise 3; seed 0).
     One NVFP4 term: each step adds NVFP4's ~10% relative error, the EMA keeps ~1/(1 - beta^2) = 10
     steps of it, so |m - exact| ~ 0.1 sqrt(10) = 0.32 |m| (measured 0.34); Newton-Schulz lifts that
     noise's directions to singular values ~1 (update cosine measured 0.87). Two terms: ~1% a step,
