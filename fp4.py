@@ -549,7 +549,7 @@ def native_args(a, b):
 
 
 def _mm_native(a, b, out_dtype):
-    """Blackwell (sm_100 / sm_120) native FP4 GEMM. Not run on hardware here: python -m fp4 check verifies it (docs/numerics.md)."""
+    """Blackwell (sm_100 / sm_120) native FP4 GEMM. Not run on hardware here: python check.py verifies it (docs/numerics.md)."""
     refused = mm_refusals("native", a, b, out_dtype)
     if refused:
         raise ValueError(f"mm backend 'native' cannot take these operands: {'; '.join(refused)}")
@@ -709,7 +709,3 @@ for _path, _run, _against, _fallback, _avail in (
         *(("kernel." + f, _check_kernel(f), "the PyTorch reference on the CPU, bit for bit" + (" (SPEC 4's integer SR rule)" if f == "sr" else ""),
            "the PyTorch reference", _why_not) for f in ("quantize", "sr", "dequantize", "requantize", "fold", "rotate_back"))):
     selfcheck.register(selfcheck.Check(_path, _run, _against, _fallback, _avail or (lambda d: None), _speed(_path)))
-
-if __name__ == "__main__":  # python -m fp4 check: the checks of the imported modules, not of this copy
-    import attention, fp4, optim, sys  # noqa: E401,F401 (each registers its checks)
-    sys.exit(selfcheck.main(sys.argv[1:]))

@@ -154,14 +154,14 @@ def test_selfcheck_off_uses_paths_unchecked_and_says_so(monkeypatch):
 
 def test_cli_prints_table_and_writes_check_json(tmp_path):
     env = dict(os.environ, PYTHONPATH=HERE)
-    p = subprocess.run([sys.executable, "-m", "fp4", "check"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, os.path.join(HERE, "check.py")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     rows = {ln.split("|")[0].strip(): ln.split("|")[2].strip() for ln in p.stdout.splitlines() if "|" in ln}
     assert rows["mm.emulated"] == rows["mm.bf16"] == rows["quantize.reference"] == "verified"
     assert rows["mm.native"] == rows["kernel.sr"] == "unavailable"
     saved = json.loads((tmp_path / "results" / "cpu" / "check.json").read_text())
-    assert saved["command"] == "python -m fp4 check" and len(saved["rows"]) == len(rows) - 1
-    bad = subprocess.run([sys.executable, "-m", "fp4", "check", "--bogus"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert saved["command"] == "python check.py" and len(saved["rows"]) == len(rows) - 1
+    bad = subprocess.run([sys.executable, os.path.join(HERE, "check.py"), "--bogus"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "usage" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -292,7 +292,7 @@ def test_mm_refusals_state_scaled_mm_rules():
 
 
 def test_check_availability_by_compute_capability(monkeypatch):
-    """What `python -m fp4 check` runs on each GPU generation, from stand-in capabilities (no GPU
+    """What `python check.py` runs on each GPU generation, from stand-in capabilities (no GPU
     here): the BF16 backend and the kernels everywhere (with CuPy), FP8 GEMMs from sm_89, the
     native FP4 GEMM on sm_100 / sm_120 only; and what mm uses by default there."""
     import attention, optim  # noqa: E401,F401 (their checks)
