@@ -66,7 +66,7 @@ def main():
     ap.add_argument("--fsdp-iters", type=int, default=20, help="fsdp: train.py --max_iters")
     ap.add_argument("--fsdp-recipe", default="quartet", help="fsdp: comma list of train.py recipes")
     ap.add_argument("--fsdp-compile", default="True", choices=("True", "False"), help="fsdp: train.py --compile")
-    ap.add_argument("--step-optimizers", default="adamw", help="step: comma list of optim.OPTIMIZERS (each variant with each)")
+    ap.add_argument("--step-optimizers", default="adamw", help="step: comma list of muon.OPTIMIZERS (each variant with each)")
     ap.add_argument("--step-loss-chunk", default="0", help="step: comma list of GPTConfig.loss_chunk values (0: whole logits)")
     ap.add_argument("--step-accum", default="1", help="step, step_profile: comma list of gradient accumulations "
                     "(micro-steps of --batch sequences an optimizer step; each row against BF16 at the same one)")

@@ -19,6 +19,7 @@ import torch
 import fp4
 import cuda_kernels as kernels
 import gemm
+import linear
 from runlog import git_state
 
 
@@ -162,7 +163,7 @@ def section_kernels(args):
             ("  kernel only: mx quest+H32 rn +mask +fold (fwd, fp8 operand)", xin + _qbytes(qf) + x.numel() + 4 * r,
              kernel_only(lambda: fp4.quantize(x, "mxfp4", scale_rule="quest", hadamard=32, fold=True))),
             ("  kernel only: rotate_back (mask + H32, bf16)", 2 * xin + qf.mask.numel(),
-             kernel_only(lambda: fp4._rotate_back(x, qf, 32))),
+             kernel_only(lambda: linear._rotate_back(x, qf, 32))),
             # NVFP4's two passes apart: where its full call's time goes
             ("  kernel only: nv absmax rn, both passes", 2 * xin + _qbytes(qn), kernel_only(lambda: fp4.quantize(x, "nvfp4"))),
             ("  kernel only: nv absmax rn, tensor-amax pre-pass", xin,
@@ -387,16 +388,16 @@ def section_linear(args):
         ref = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
         layers = {"bf16": ref, "fp8-rowwise": lambda t: FP8RowwiseLinear.apply(t, ref.weight)}
         for recipe in ("quartet", "nvfp4", "quartet2", "fullstack"):
-            lin = fp4.FP4Linear(k, n, recipe=recipe, device="cuda", dtype=torch.bfloat16)
+            lin = linear.FP4Linear(k, n, recipe=recipe, device="cuda", dtype=torch.bfloat16)
             lin.weight = ref.weight
-            fp4.refit_lora(lin)  # fullstack's L from this weight (no-op for the others)
+            linear.refit_lora(lin)  # fullstack's L from this weight (no-op for the others)
             layers[recipe] = lin
         base = None
         runs = {name: _fwd_bwd(layer, x, grad) for name, layer in layers.items()}
         for name in ("bf16", "quartet"):  # no host overhead: one graph replay (fresh seeds each)
             # make_graphed_callables replaces a module's forward: graph a twin sharing the weight
             twin = (torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16) if name == "bf16" else
-                    fp4.FP4Linear(k, n, recipe=name, device="cuda", dtype=torch.bfloat16))
+                    linear.FP4Linear(k, n, recipe=name, device="cuda", dtype=torch.bfloat16))
             twin.weight = ref.weight
             runs[f"{name} (CUDA graph)"] = _fwd_bwd(torch.cuda.make_graphed_callables(twin, (x,)), x, grad)
         runs.update(_gemms_only(x.detach(), ref.weight.detach(), grad))
@@ -656,7 +657,7 @@ def section_profile(args):
     grad = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     rows = []
     for recipe in ("quartet", "nvfp4"):
-        lin = fp4.FP4Linear(k, n, recipe=recipe, device="cuda", dtype=torch.bfloat16)
+        lin = linear.FP4Linear(k, n, recipe=recipe, device="cuda", dtype=torch.bfloat16)
         run = _fwd_bwd(lin, x, grad)
         bench(run, warmup=2, reps=3)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -680,7 +681,7 @@ def section_overhead(args):
     e = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     s_cpu, s_gpu = fp4.random_signs(32, 1), fp4.random_signs(32, 1, "cuda")
     qx = fp4.quantize(x, scale_rule="quest", hadamard=32)
-    lin = fp4.FP4Linear(k, n, device="cuda", dtype=torch.bfloat16)
+    lin = linear.FP4Linear(k, n, device="cuda", dtype=torch.bfloat16)
     xg = x.clone().requires_grad_()
     steps = {
         "torch.empty": lambda: torch.empty(m, k, device="cuda"),
@@ -715,7 +716,7 @@ def section_overhead(args):
 
 
 # ---------------------------------------------------------------------------------------------
-# ns_time: Newton-Schulz in FP4 (optim.py, SPEC 8.2): GPU time per optimizer step of the 1B model
+# ns_time: Newton-Schulz in FP4 (newton_schulz.py, SPEC 8.2): GPU time per optimizer step of the 1B model
 # (its quality per design, on a CPU too: python study/measure.py --sections ns)
 
 FP4_SPEEDUP = 4.0  # Blackwell: dense NVFP4 tensor-core rate / dense BF16 rate (B200 and RTX 5090 spec sheets)
@@ -734,7 +735,7 @@ def section_ns_time(args):
     """Newton-Schulz time per optimizer step for all 2-D hidden matrices of --model (4 per block),
     per precision, on this GPU. blackwell_cost_vs_bf16 is a PROJECTION from the GEMM FLOPs
     (NVFP4 at FP4_SPEEDUP x the BF16 rate, quantization passes not counted), not a measurement."""
-    import optim
+    import newton_schulz
     shapes = [s for s in ns_shapes(args.model).values() for _ in range(llama_layers(args.model))]
     gen = torch.Generator(device="cuda").manual_seed(0)
     mats = {s: torch.randn(*s, device="cuda", generator=gen) for s in set(shapes)}
@@ -744,15 +745,15 @@ def section_ns_time(args):
                               ("nvfp4", "compensated_tail, graphed"), ("nvfp4", "diagonal_tail, graphed")]:
         d = design.partition(",")[0] if design != "-" else "compensated_tail"
         stats = {}
-        ns = optim.GraphedNS() if design.endswith("graphed") else None  # ROOT's default on a GPU
+        ns = newton_schulz.GraphedNS() if design.endswith("graphed") else None  # ROOT's default on a GPU
 
         def step(stats=None):
             for s in shapes:
-                abc = optim.ns_coefficients(s, "root")
+                abc = newton_schulz.ns_coefficients(s, "root")
                 if ns is not None and stats is None:
                     ns(mats[s], 5, abc, precision, d)
                 else:
-                    optim.newton_schulz(mats[s], 5, abc, precision, d, stats)
+                    newton_schulz.newton_schulz(mats[s], 5, abc, precision, d, stats)
 
         step(stats)  # counts the FLOPs (eagerly: a graph replays the same GEMMs)
         ms = bench(step, warmup=1, reps=3)

@@ -17,7 +17,7 @@ import traceback
 
 import torch
 
-import fp4
+import linear
 from bench_ops import FP8RowwiseLinear, SkipVariant, bench, print_table, save_rows
 
 
@@ -80,7 +80,7 @@ def _step_net(args, variant, loss_chunk=0, recompute="none", device="cuda"):
         net = _fp8_model(net)
     else:
         net = llama.apply_recipe(net, base)
-        fp4.refit_lora(net)  # fullstack: fit L as train.py does at step 0 (no-op for the others)
+        linear.refit_lora(net)  # fullstack: fit L as train.py does at step 0 (no-op for the others)
         if tail:
             llama.to_bf16_gemms(net)  # the steps after train.py's switch (fp4_until)
     return net, cfg
@@ -89,8 +89,8 @@ def _step_net(args, variant, loss_chunk=0, recompute="none", device="cuda"):
 def _step_model(args, variant, optimizer="adamw", loss_chunk=0, recompute="none"):
     """The step variant's model on the GPU with its optimizer (as train.py makes it)."""
     net, cfg = _step_net(args, variant, loss_chunk, recompute)
-    import optim  # the optimizer as train.py builds it (optim.build)
-    return net, optim.build(net, optimizer, lr=1e-4, weight_decay=0.1), cfg
+    import muon  # the optimizer as train.py builds it (muon.build)
+    return net, muon.build(net, optimizer, lr=1e-4, weight_decay=0.1), cfg
 
 
 def _step_batch(args, cfg, device="cuda"):

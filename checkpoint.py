@@ -371,7 +371,7 @@ def load_optimizer_state(model, optimizer, ckpt, path):
             load_sharded(model, optimizer, path)
         elif ckpt['config'].get('fsdp', False):
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-            parts = getattr(optimizer, 'parts', optimizer)  # the torch optimizers of optim.Optimizers
+            parts = getattr(optimizer, 'parts', optimizer)  # the torch optimizers of muon.Optimizers
             set_optimizer_state_dict(model, parts, ckpt['optimizer'],
                                      options=StateDictOptions(full_state_dict=True))
         else:

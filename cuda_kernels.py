@@ -7,7 +7,7 @@ A raw pointer carries no metadata, so every launcher checks what the kernel assu
 contiguity, 16-byte alignment, sizes that fit its index types) before launching, allocates its
 outputs with torch, and launches on torch's current stream of the tensor's device. Each launcher
 returns exactly what its fp4.py twin returns (quantize, dequantize, requantize, fold_mx,
-_rotate_back); test_kernels.py checks them against the reference bit for bit.
+rotate_back_reference); test_kernels.py checks them against the reference bit for bit.
 
 Its name is not kernels.py (DESIGN.md's) because a module of that name at the top of the
 repository shadows Hugging Face's `kernels` package, which transformers (a requirement, for
@@ -547,7 +547,8 @@ def fold(q):
 
 
 def rotate_back(d, mask, n):
-    """fp4._rotate_back through the rotate_back kernel: mask, Hadamard-n, rounding to d's dtype."""
+    """linear._rotate_back through the rotate_back kernel: mask, Hadamard-n, rounding to d's dtype
+    (its PyTorch twin: fp4.rotate_back_reference)."""
     import numpy as np
     name = f"rotate_back<{_SRC_KIND[_dense('rotate_back', d)]}, {n}>"
     if n not in (32, 64, 128):

@@ -58,11 +58,11 @@ def shard_model(model, device, dtype):
 
 
 def parts(optimizer):
-    """The torch optimizers inside optim.build's result (optim.Optimizers), or the one given."""
+    """The torch optimizers inside muon.build's result (muon.Optimizers), or the one given."""
     return getattr(optimizer, 'parts', optimizer)
 
 # ---------------------------------------------------------------------------------------------
-# optimizers on FSDP2's shards (optim.py): which rows a rank holds, states placed like them, and
+# optimizers on FSDP2's shards (optim.py, muon.py): which rows a rank holds, states placed like them, and
 # whole matrices for the updates a shard alone cannot compute
 
 

@@ -77,7 +77,8 @@ def fp4_forward_qtensor(w, recipe, low=None):
     Q(W) for nvfp4 and quartet2 (their 16x16 tiles or four-over-six scales), Q(R), R = W - L,
     for fullstack (low: its L = U_r S_r V_r^T, (N, K))."""
     import fp4
-    r = fp4.RECIPES[recipe]
+    import linear
+    r = linear.RECIPES[recipe]
     spec = r['w']
     if spec.get('signs') is not None:  # a signed rotation is not its own inverse
         raise SystemExit(f'recipe {recipe!r} rotates W with random signs in the forward, '
@@ -90,8 +91,9 @@ def fp4_forward_weight(w, recipe, low=None):
     low: fullstack's L, or None: the forward quantizes R = W - L and adds L's product in BF16,
     so its weight is deq(Q(R)) + L."""
     import fp4
+    import linear
     wq = fp4.dequantize(fp4_forward_qtensor(w, recipe, low))  # deq(Q(W H)), still rotated
-    n = fp4.RECIPES[recipe]['w'].get('hadamard', 0)
+    n = linear.RECIPES[recipe]['w'].get('hadamard', 0)
     wq = fp4.hadamard(wq, n) if n else wq  # H^T = H, orthogonal: back to the input's basis
     return wq if low is None else wq + low
 

@@ -49,8 +49,8 @@
 //   quant_rows_fold<SRC, RULE, RND>  quant_rows for MXFP4 (G = 32) that also writes fold_mx's
 //       outputs (E4M3 elements + row scales): a CTA holds whole rows. Called by fp4._quant_launch
 //       when fp4.quantize is asked for fold=True (the fp8 GEMM backend's operands).
-//   rotate_back<SRC, G>     fp4._rotate_back: (gradient * QuEST clip mask) H_G in one pass (the
-//       quartet backward's straight-through estimator). Called by fp4._kernel_rotate_back.
+//   rotate_back<SRC, G>     fp4.rotate_back_reference: (gradient * QuEST clip mask) H_G in one pass
+//       (the quartet backward's straight-through estimator). Called by linear._rotate_back.
 //   dequant<OUT>            fp4.dequantize to f32 / bf16 / f16 in the QTensor layout (OUT: 0 f32,
 //       1 bf16, 2 f16). Called by fp4._kernel_dequantize.
 // Host emulation: with FP4_HOST_EMU defined (and host shims for the intrinsics and for
@@ -1749,10 +1749,10 @@ __global__ void __launch_bounds__(1024) quant_rows_fold(
 }
 
 // ---------------------------------------------------------------------------------------------
-// rotate_back<SRC, G>: fp4._rotate_back, the quartet backward's straight-through step: (d * clip
+// rotate_back<SRC, G>: fp4.rotate_back_reference, the quartet backward's straight-through step: (d * clip
 // mask) H_G per G-group along the last dim of a row-major (R, K) d, written in d's dtype (SRC 0
 // f32, 1 bf16, 2 f16). One thread a G-group (G a multiple of 32): one pass instead of a mask
-// unpack, a multiply and a GEMM with H. Called by fp4._kernel_rotate_back.
+// unpack, a multiply and a GEMM with H. Called by linear._rotate_back (cuda_kernels.rotate_back).
 
 template <int SRC, int G>
 __device__ __forceinline__ void store_dense(void* dst, u64 off, const float (&x)[G]) {

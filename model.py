@@ -4,7 +4,7 @@ RMSNorm, rotary position embeddings (RoPE), causal SDPA attention with optional
 grouped-query attention, SwiGLU MLP, untied lm_head.
 
 The four linears of a block (qkv, o, gate_up, down) are plain nn.Linear here;
-apply_recipe() swaps them for fp4.FP4Linear. Embeddings, norms, RoPE, attention's
+apply_recipe() swaps them for linear.FP4Linear. Embeddings, norms, RoPE, attention's
 batched matmuls and the lm_head stay in high precision (SPEC.md 5), unless
 attention='nvfp4' (attention.py: Q K^T and the dS products on NVFP4 operands, SPEC.md 8.3).
 """
@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from attention import attention
 
-# the block linears' recipe: BF16, an FP4 recipe of fp4.RECIPES, or 'float8', the FP8 baseline a
+# the block linears' recipe: BF16, an FP4 recipe of linear.RECIPES, or 'float8', the FP8 baseline a
 # Hopper user would otherwise run (torchao's float8 training, tensorwise scales; pip install torchao)
 RECIPES = ('bf16', 'quartet', 'nvfp4', 'quartet2', 'fullstack', 'float8')
 # the first and last blocks' linears: 'auto' the recipe's rule (fp4_blocks: BF16 under nvfp4,
@@ -45,7 +45,7 @@ class GPTConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     lora_rank: int = 0        # fullstack: rank of each block linear's BF16 part (SPEC 8.4);
-                              # 0: fp4.lora_rank_for's rule (n_embd / 16), -1: none (ablation)
+                              # 0: lora.lora_rank_for's rule (n_embd / 16), -1: none (ablation)
     end_blocks: str = 'auto'  # one of END_BLOCKS: the first and last blocks' recipe (fp4_blocks)
     attention: str = 'bf16'   # one of ATTENTIONS
     loss_chunk: int = 0       # > 0: cross-entropy over the lm_head this many tokens at a time
@@ -264,7 +264,7 @@ class GPT(nn.Module):
 
     def configure_optimizers(self, weight_decay, learning_rate, betas):
         # decay matrices (linears, embeddings); not norms, biases or other 1-d params. train.py
-        # builds its optimizers through optim.build (adamw, adamw_fp4, muon, root, root_fp4)
+        # builds its optimizers through muon.build (adamw, adamw_fp4, muon, root, root_fp4)
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [
             {'params': [p for p in params if p.dim() >= 2], 'weight_decay': weight_decay},
@@ -330,14 +330,14 @@ def next_token(logits, temperature, top_k):
 @contextlib.contextmanager
 def fp4_rows_padded(model):
     """Let FP4Linear run on any number of tokens while generating. It asks for a token count
-    divisible by its recipe's block (fp4._dim_multiple: 32 or 128), which training's backward
+    divisible by its recipe's block (linear._dim_multiple: 32 or 128), which training's backward
     needs (the weight gradient's GEMM runs over tokens, SPEC 5); a sampling step has one token
     a sequence. The forward quantizes each row on its own, in blocks along the input dim, and
     NVFP4's tensor scale is an absmax, which rows of zeros leave alone. So padding the rows
     with zeros up to the multiple leaves the real rows' outputs as they were; they are sliced
     back out after the layer."""
-    fp4 = sys.modules.get('fp4')  # not imported: no FP4 layers in any model
-    layers = [m for m in model.modules() if fp4 is not None and isinstance(m, fp4.FP4Linear)]
+    linear = sys.modules.get('linear')  # not imported: no FP4 layers in any model
+    layers = [m for m in model.modules() if linear is not None and isinstance(m, linear.FP4Linear)]
     handles = [h for m in layers for h in (m.register_forward_pre_hook(_pad_rows),
                                            m.register_forward_hook(_unpad_rows))]
     try:
@@ -348,7 +348,7 @@ def fp4_rows_padded(model):
 
 def _pad_rows(layer, args):
     x, = args                                # (..., in_features)
-    rows, mult = x.numel() // x.size(-1), sys.modules['fp4']._dim_multiple(layer.recipe)
+    rows, mult = x.numel() // x.size(-1), sys.modules['linear']._dim_multiple(layer.recipe)
     layer._padded_from = (x.shape, -rows % mult)
     return (F.pad(x.reshape(rows, x.size(-1)), (0, 0, 0, -rows % mult)),)  # (rows + pad, in)
 
@@ -424,14 +424,14 @@ def fp4_blocks(n_layer, recipe, end_blocks='auto'):
 
 def gemm_multiple(recipe):
     """What every block linear's in and out features, and a micro-step's token count, must be
-    divisible by: an FP4 recipe's block or rotation (fp4._dim_multiple: 32 or 128), float8's 16
+    divisible by: an FP4 recipe's block or rotation (linear._dim_multiple: 32 or 128), float8's 16
     (torch._scaled_mm's alignment; the weight gradient contracts over the tokens), else 1."""
     if recipe == 'float8':
         return 16
     if recipe not in RECIPES or recipe == 'bf16':
         return 1
-    import fp4
-    return fp4._dim_multiple(recipe)
+    import linear
+    return linear._dim_multiple(recipe)
 
 def shape_problem(size, n_kv_head, recipe, batch_size, block_size):
     """What the recipe's FP4 (or FP8) GEMMs cannot divide, as one line, or None: every block
@@ -472,18 +472,18 @@ def to_float8(model, scaling='tensorwise', blocks=None):
     return model
 
 def apply_recipe(model, recipe):
-    """Swap the block linears (qkv, o, gate_up, down) for fp4.FP4Linear, in place, or for
+    """Swap the block linears (qkv, o, gate_up, down) for linear.FP4Linear, in place, or for
     torchao's Float8Linear under 'float8' (to_float8). Embeddings and lm_head are never touched.
-    'bf16' leaves plain nn.Linear (autocast runs them in BF16), so the model works without fp4.py."""
+    'bf16' leaves plain nn.Linear (autocast runs them in BF16), so the model works without linear.py."""
     blocks = fp4_blocks(model.config.n_layer, recipe, model.config.end_blocks)
     if recipe == 'float8':
         return to_float8(model, blocks=[model.transformer.h[i] for i in blocks])
     if blocks:
-        import fp4  # only the FP4 recipes need it
-        # fullstack: L = 0 until fp4.refit_lora(model) (train.py refits at step 0)
+        import linear  # only the FP4 recipes need it
+        # fullstack: L = 0 until linear.refit_lora(model) (train.py refits at step 0)
         lora = {'lora_rank': model.config.lora_rank} if recipe == 'fullstack' else {}
         for i in blocks:
-            fp4.to_fp4(model.transformer.h[i], recipe, **lora)
+            linear.to_fp4(model.transformer.h[i], recipe, **lora)
     return model
 
 # -----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """
 Newton-Schulz orthogonalisation for the Muon family (SPEC.md 8.2): the quintic iteration toward
 the polar factor of a matrix, in FP32, BF16 or with its GEMMs on NVFP4 operands, and its replay as
-CUDA graphs. optim.py's Muon and ROOT call it; so do bench.py and measure.py.
+CUDA graphs. muon.py's Muon and ROOT call it; so do bench.py and measure.py.
 
 Read top to bottom: the iteration and its coefficients, the NVFP4 designs step by step, then the
 CUDA-graph replay.

@@ -12,8 +12,8 @@ reference (bit for bit where SPEC.md says exact) through `verified(path, device)
 FP4_SELFCHECK=0 turns the first-use checks off (and the log says so).
 
 This module imports no project module: fp4.py, optim.py and attention.py register their checks
-here (`register`) and ask `verified` before using a path. `main` (python -m fp4 check) runs every
-registered check this machine can and prints the table.
+here (`register`) and ask `verified` before using a path. `main` (python check.py, which imports
+those three) runs every registered check this machine can and prints the table.
 """
 import json
 import os
@@ -142,7 +142,7 @@ def _float_bits(x):
 
 
 # ---------------------------------------------------------------------------------------------
-# python -m fp4 check: every check this machine can run, as a table and results/<gpu>/check.json
+# python check.py: every check this machine can run, as a table and results/<gpu>/check.json
 
 def seconds(fn, device, reps=5):
     """Median wall time of fn() on `device` (synchronised on CUDA), after one warm-up call."""
@@ -218,18 +218,18 @@ def format_table(rows):
     return "\n".join([fmt.format(*head), "-+-".join("-" * w for w in widths)] + [fmt.format(*map(str, ln)) for ln in lines])
 
 
-def main(argv=("check",), out_root="results"):
+def main(argv=(), out_root="results"):
     """Run every check, print the table, write results/<gpu>/check.json. Exit status 1 when a path
     this machine would use failed (it falls back; a new machine should not train unnoticed)."""
-    if list(argv) != ["check"]:
-        print(f"usage: python -m fp4 check (got: {' '.join(argv) or 'no command'})", file=sys.stderr)
+    if list(argv):
+        print(f"usage: python check.py (no arguments; got: {' '.join(argv)})", file=sys.stderr)
         return 2
     rows = table()
     print(format_table(rows))
     path = os.path.join(out_root, _gpu_folder(), "check.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"command": "python -m fp4 check", "commit": _commit(), "torch": torch.__version__,
+        json.dump({"command": "python check.py", "commit": _commit(), "torch": torch.__version__,
                    "device": _device_name(devices()[-1]), "rows": rows}, f, indent=1)
     print(f"wrote {path}")
     return 1 if any(r["status"] == "fallback" for r in rows) else 0

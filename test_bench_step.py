@@ -13,6 +13,7 @@ import torch
 
 import bench_step
 import fp4
+import linear
 
 ARGS = dict(model='tiny', seq=64, batch=2, step_optimizers='adamw', step_loss_chunk='0', saved_compiled=False)
 M, C, H, LAYERS = 2 * 64, 128, 512, 3  # tokens, n_embd, ffn_hidden, n_layer of 'tiny'
@@ -84,7 +85,7 @@ def fp4_saved(rows, k, recipe):
     """What FP4Linear saves for the backward of a (rows, k) operand, by fp4's layout: codes (two a
     byte), one scale byte a block, the QuEST clip mask (8 a byte) for quest's operands; the FP32
     tensor scale of NVFP4 (4 bytes)."""
-    r = fp4.RECIPES[recipe]
+    r = linear.RECIPES[recipe]
     mask = rows * k // 8 if r['x'].get('scale_rule') == 'quest' else 0
     return rows * k // 2 + rows * k // fp4.FORMATS[r['fmt']] + mask, 4 if r['fmt'] == 'nvfp4' else 0
 

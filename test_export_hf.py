@@ -82,8 +82,9 @@ def test_fp4_forward_weight_is_what_the_layer_multiplies_by(recipe):
     rotated back (quartet: deq(Q(XH)) H^T): so W_eff is the FP4 forward's weight in the
     input's basis. Leaving out quartet's H^T on W (or on x) fails this by far."""
     import fp4
-    r = fp4.RECIPES[recipe]
-    lin = fp4.FP4Linear(128, 256, recipe=recipe)
+    import linear
+    r = linear.RECIPES[recipe]
+    lin = linear.FP4Linear(128, 256, recipe=recipe)
     x = torch.randn(128, 128, generator=torch.Generator().manual_seed(3))
     x_eff = fp4.dequantize(fp4.quantize(x, r['fmt'], **r['x']))
     n = r['x'].get('hadamard', 0)
@@ -136,14 +137,16 @@ def test_fullstack_forward_weight_adds_the_low_rank_part():
     the sum: 2^-9 relative each) bounds the tolerance. Quantizing W itself, as for the other
     recipes, misses by the FP4 error of L's part."""
     import fp4
-    from test_linear import _fullstack, _spectrum_matrix
+    import linear
+    from test_linear import _fullstack
+    from test_lora import _spectrum_matrix
     lin = _fullstack(_spectrum_matrix(256, 128, 0.5 * (1 + torch.arange(128.)) ** -0.5, seed=5), 16)
     low = lin.lora_us.float() @ lin.lora_v.float().t()
     x = torch.randn(128, 128, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         y = lin(x)
     w_eff = export_hf.fp4_forward_weight(lin.weight.detach(), 'fullstack', low)
-    x_eff = fp4.dequantize(fp4.quantize(x, 'nvfp4', **fp4.RECIPES['fullstack']['x']))
+    x_eff = fp4.dequantize(fp4.quantize(x, 'nvfp4', **linear.RECIPES['fullstack']['x']))
     want = x_eff @ (w_eff - low).T + x @ low.T  # the HF side multiplies x by w_eff
     tol = 3 * 2 ** -9 * (x @ low.T).abs().max() / want.abs().max()
     assert rel_err(y, want) < tol, (rel_err(y, want), tol)
@@ -156,10 +159,10 @@ def test_export_fullstack_checkpoint(tmp_path, fp4_weights):
     """A fullstack checkpoint holds L's two BF16 buffers beside each FP4 linear's W. They are
     used, not refused: the master export is W (which holds L already), --fp4-weights exports
     deq(Q(W - L)) + L; every block runs fullstack."""
-    import fp4
+    import linear
     m, _ = checkpoint(tmp_path / 'plain.pt')
     apply_recipe(m, 'fullstack')
-    assert fp4.refit_lora(m) == 12
+    assert linear.refit_lora(m) == 12
     ckpt = dict(model=m.state_dict(), model_args=asdict(m.config), recipe='fullstack', iter_num=0,
                 meta=dict(encoding='synthetic', vocab_size=300, eot_token=0))
     assert 'transformer.h.1.attn.qkv.lora_us' in ckpt['model']

@@ -7,6 +7,7 @@ import math
 import os
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -22,6 +23,22 @@ FUZZ_SCALE = int(os.environ.get("FP4_FUZZ_SCALE", "1"))
 def fuzz(examples):
     """settings for a numerics property test: `examples` examples (times FP4_FUZZ_SCALE)."""
     return settings(max_examples=examples * FUZZ_SCALE)
+
+
+def first_mismatches(got, want, n=5):
+    """A message with the first n positions where got != want (NaN == NaN)."""
+    if got.shape != want.shape:  # no positions to compare (broadcasting would index out of range)
+        return f"shapes differ: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}"
+    bad = ~((got == want) | (torch.isnan(got.float()) & torch.isnan(want.float())))
+    idx = bad.nonzero()[:n].tolist()
+    return f"{int(bad.sum())} mismatches; first: " + ", ".join(
+        f"{tuple(i)}: got {got[tuple(i)].item()} want {want[tuple(i)].item()}" for i in idx)
+
+
+def assert_same(got, want):
+    assert got.shape == want.shape, (got.shape, want.shape)
+    same = (got == want) | (torch.isnan(got.float()) & torch.isnan(want.float()))
+    assert bool(same.all()), first_mismatches(got, want)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,6 +230,81 @@ def test_e4m3_sr_rounds_to_a_neighbour_with_the_right_odds(pairs):
 
 
 # ---------------------------------------------------------------------------------------------
+# E2M1 and packing, the SR hash and its random bytes: fixed cases
+
+@pytest.mark.parametrize("x, want", [
+    (0.0, 0.0), (0.24, 0.0), (0.25, 0.0), (0.26, 0.5), (0.5, 0.5), (0.74, 0.5), (0.75, 1.0),
+    (1.0, 1.0), (1.25, 1.0), (1.26, 1.5), (1.5, 1.5), (1.74, 1.5), (1.75, 2.0), (2.0, 2.0),
+    (2.5, 2.0), (2.51, 3.0), (3.0, 3.0), (3.49, 3.0), (3.5, 4.0), (4.0, 4.0), (5.0, 4.0),
+    (5.01, 6.0), (6.0, 6.0), (7.0, 6.0), (1e30, 6.0), (float("inf"), 6.0), (1e-40, 0.0),
+])
+def test_e2m1_ties_and_boundaries(x, want):
+    for sign in (1.0, -1.0):
+        v = torch.tensor([sign * x])
+        got = formats.e2m1_decode(formats.e2m1_encode(v)).item()
+        assert got == sign * want or (want == 0 and got == 0), (sign * x, got)
+
+
+def test_e2m1_codes_and_sign():
+    grid = torch.tensor(formats.E2M1_GRID)
+    assert_same(formats.e2m1_encode(grid), torch.arange(8, dtype=torch.uint8))
+    assert_same(formats.e2m1_encode(-grid[1:]), torch.arange(9, 16, dtype=torch.uint8))
+    assert formats.e2m1_encode(torch.tensor([-0.0, float("nan")])).tolist() == [0, 0]
+
+
+def test_pack_all_256_bytes_round_trip():
+    b = torch.arange(256, dtype=torch.uint8)
+    codes = formats.unpack(b)
+    assert codes.tolist()[:4] == [0, 0, 1, 0]  # byte 1: element 0 (low nibble) = 1
+    assert_same(formats.pack(codes), b)
+    assert_same(codes[0::2], b & 15)
+
+
+def _lowbias32(x):  # an independent plain-Python statement of the mixer
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) % 2**32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) % 2**32
+    return x ^ (x >> 16)
+
+
+def test_hash_matches_plain_python():
+    words = [0, 1, 2, 12345, 2**31 - 1, 2**31, 2**31 + 7, 2**32 - 1, 0xDEADBEEF]
+    t = torch.tensor([w - 2**32 if w >= 2**31 else w for w in words], dtype=torch.int32)
+    got = [v % 2**32 for v in formats._lowbias32_i32(t).tolist()]
+    assert got == [_lowbias32(w) for w in words]
+    for seed in (0, 7, 2**32 + 5):
+        key = _lowbias32((seed % 2**32 + 0x9E3779B9) % 2**32)
+        want = [(_lowbias32(i ^ key) >> 8) / 2**24 for i in range(64)]
+        assert formats.uniform(seed, 64).tolist() == want
+
+
+def test_uniform_is_uniform():
+    u = formats.uniform(3, 1 << 20)
+    assert 0 <= float(u.min()) and float(u.max()) < 1
+    counts = torch.histc(u, bins=16, min=0, max=1)
+    expected = u.numel() / 16
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 50, chi2  # 15 dof: P(chi2 > 50) < 1e-5
+    assert abs(float(u.mean()) - 0.5) < 5 * math.sqrt(1 / 12 / u.numel())
+
+
+def test_random_bytes_layout():
+    for seed in (0, 11, 2**32 + 3):
+        key = _lowbias32((seed % 2**32 + 0x9E3779B9) % 2**32)
+        want = [(_lowbias32((i // 4) ^ key) >> (8 * (i % 4))) & 0xFF for i in range(70)]
+        assert formats.random_bytes(seed, 70).tolist() == want
+
+
+def test_random_bytes_from_an_offset():
+    """A shard's draws (start > 0) are the whole tensor's draws from that index on."""
+    for seed in (0, 11, 2**32 + 3):
+        whole = formats.random_bytes(seed, 70)
+        for start in (1, 2, 3, 4, 5, 33, 69):
+            assert torch.equal(formats.random_bytes(seed, 70 - start, start=start), whole[start:]), (seed, start)
+
+
+# ---------------------------------------------------------------------------------------------
 # Hadamard (SPEC 4)
 
 def sylvester(n):
@@ -255,6 +347,37 @@ def test_hadamard_is_the_sylvester_rotation(n, signed, seed, x):
     safe = np.broadcast_to(np.abs(x64).reshape(r, k // n, n).sum(-1, keepdims=True) <= F32_MAX, (r, k // n, n)).reshape(r, k)
     assert np.all(ok[safe]), _first(got[safe], want[safe], x64[safe])
     assert np.all(ok[~safe] | ~np.isfinite(got[~safe])), "a finite rotation off its bound"
+
+
+@pytest.mark.parametrize("n", formats.HADAMARD_SIZES)
+def test_hadamard_orthogonal_involution(n):
+    h = formats.hadamard(torch.eye(n, dtype=torch.float64).float(), n).double()
+    syl = torch.ones(1, 1, dtype=torch.float64)
+    while syl.shape[0] < n:
+        syl = torch.cat((torch.cat((syl, syl), 1), torch.cat((syl, -syl), 1)), 0)
+    assert torch.allclose(h, syl / math.sqrt(n), atol=1e-7)
+    assert torch.allclose(h @ h.T, torch.eye(n, dtype=torch.float64), atol=1e-6)
+    x = torch.randn(8, 4 * n)
+    assert torch.allclose(formats.hadamard(formats.hadamard(x, n), n), x, atol=1e-5)
+    s = formats.random_signs(n, 11)
+    y = formats.hadamard(x, n, s)
+    back = (formats.hadamard(y, n).view(8, 4, n) * s).view_as(x)  # (x D H) H D = x
+    assert torch.allclose(back, x, atol=1e-5)
+    xa = torch.randn(4 * n, 3)
+    assert torch.allclose(formats.hadamard(xa, n, axis=0), formats.hadamard(xa.t(), n).t())
+
+
+def test_random_signs():
+    s = formats.random_signs(128, 0)
+    assert s.dtype == torch.float32 and set(s.unique().tolist()) == {-1.0, 1.0}
+    assert torch.equal(s, formats.random_signs(128, 0))  # a pure function of the seed
+    assert torch.equal(formats.random_signs(32, 5), formats.random_signs(128, 5)[:32])
+    assert not torch.equal(s, formats.random_signs(128, 1))
+    # balanced: over 64 seeds x 128 signs, the count of -1 is Binomial(8192, 1/2): sd 45.3, 5 sd
+    neg = sum(int((formats.random_signs(128, seed) < 0).sum()) for seed in range(64))
+    assert abs(neg - 4096) < 5 * 45.3
+    with pytest.raises(ValueError, match="1 <= n <= 128"):
+        formats.random_signs(256, 0)
 
 
 def _first(got, want, x, n=5):

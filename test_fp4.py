@@ -1,4 +1,6 @@
-"""Tests of the PyTorch reference numerics (CPU). GPU kernels are tested in test_kernels.py."""
+"""Tests of fp4.py: the reference quantizers, re-quantization and the fold, and the GEMM backends
+(CPU; the CUDA tests skip without a GPU). The CUDA kernels are tested in test_kernels.py, the FP4
+linear layer in test_linear.py, the formats' codecs in test_formats.py."""
 import math
 import time
 
@@ -7,89 +9,17 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import formats
 import fp4
 import test_formats
-from test_formats import e2m1_nearest, e2m1_value, e4m3_nearest, e4m3_value, f32, fuzz, sr_code, tensors
+from test_formats import (F32_MAX, F32_TINY, assert_same, e2m1_nearest, e2m1_value, e4m3_nearest,
+                          e4m3_value, f32, first_mismatches, fuzz, sr_code, tensors)
 
 torch.manual_seed(0)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def first_mismatches(got, want, n=5):
-    """A message with the first n positions where got != want (NaN == NaN)."""
-    if got.shape != want.shape:  # no positions to compare (broadcasting would index out of range)
-        return f"shapes differ: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}"
-    bad = ~((got == want) | (torch.isnan(got.float()) & torch.isnan(want.float())))
-    idx = bad.nonzero()[:n].tolist()
-    return f"{int(bad.sum())} mismatches; first: " + ", ".join(
-        f"{tuple(i)}: got {got[tuple(i)].item()} want {want[tuple(i)].item()}" for i in idx)
-
-
-def assert_same(got, want):
-    assert got.shape == want.shape, (got.shape, want.shape)
-    same = (got == want) | (torch.isnan(got.float()) & torch.isnan(want.float()))
-    assert bool(same.all()), first_mismatches(got, want)
-
-
-# --- E2M1 ---------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("x, want", [
-    (0.0, 0.0), (0.24, 0.0), (0.25, 0.0), (0.26, 0.5), (0.5, 0.5), (0.74, 0.5), (0.75, 1.0),
-    (1.0, 1.0), (1.25, 1.0), (1.26, 1.5), (1.5, 1.5), (1.74, 1.5), (1.75, 2.0), (2.0, 2.0),
-    (2.5, 2.0), (2.51, 3.0), (3.0, 3.0), (3.49, 3.0), (3.5, 4.0), (4.0, 4.0), (5.0, 4.0),
-    (5.01, 6.0), (6.0, 6.0), (7.0, 6.0), (1e30, 6.0), (float("inf"), 6.0), (1e-40, 0.0),
-])
-def test_e2m1_ties_and_boundaries(x, want):
-    for sign in (1.0, -1.0):
-        v = torch.tensor([sign * x])
-        got = fp4.e2m1_decode(fp4.e2m1_encode(v)).item()
-        assert got == sign * want or (want == 0 and got == 0), (sign * x, got)
-
-
-def test_e2m1_codes_and_sign():
-    grid = torch.tensor(fp4.E2M1_GRID)
-    assert_same(fp4.e2m1_encode(grid), torch.arange(8, dtype=torch.uint8))
-    assert_same(fp4.e2m1_encode(-grid[1:]), torch.arange(9, 16, dtype=torch.uint8))
-    assert fp4.e2m1_encode(torch.tensor([-0.0, float("nan")])).tolist() == [0, 0]
-
-
-def test_pack_all_256_bytes_round_trip():
-    b = torch.arange(256, dtype=torch.uint8)
-    codes = fp4.unpack(b)
-    assert codes.tolist()[:4] == [0, 0, 1, 0]  # byte 1: element 0 (low nibble) = 1
-    assert_same(fp4.pack(codes), b)
-    assert_same(codes[0::2], b & 15)
-
-
-# --- the SR hash --------------------------------------------------------------------------------
-
-def _lowbias32(x):  # an independent plain-Python statement of the mixer
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) % 2**32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) % 2**32
-    return x ^ (x >> 16)
-
-
-def test_hash_matches_plain_python():
-    words = [0, 1, 2, 12345, 2**31 - 1, 2**31, 2**31 + 7, 2**32 - 1, 0xDEADBEEF]
-    t = torch.tensor([w - 2**32 if w >= 2**31 else w for w in words], dtype=torch.int32)
-    got = [v % 2**32 for v in formats._lowbias32_i32(t).tolist()]
-    assert got == [_lowbias32(w) for w in words]
-    for seed in (0, 7, 2**32 + 5):
-        key = _lowbias32((seed % 2**32 + 0x9E3779B9) % 2**32)
-        want = [(_lowbias32(i ^ key) >> 8) / 2**24 for i in range(64)]
-        assert fp4.uniform(seed, 64).tolist() == want
-
-
-def test_uniform_is_uniform():
-    u = fp4.uniform(3, 1 << 20)
-    assert 0 <= float(u.min()) and float(u.max()) < 1
-    counts = torch.histc(u, bins=16, min=0, max=1)
-    expected = u.numel() / 16
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    assert chi2 < 50, chi2  # 15 dof: P(chi2 > 50) < 1e-5
-    assert abs(float(u.mean()) - 0.5) < 5 * math.sqrt(1 / 12 / u.numel())
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 # --- quantize / dequantize ----------------------------------------------------------------------
@@ -197,21 +127,6 @@ def _sr_rule(a, r):
     a = min(a, 6.0)
     s = 0.5 if a < 2 else (1.0 if a < 4 else 2.0)
     return min(((math.floor(a * 256 / s) + r) >> 8) * s, 6.0)
-
-
-def test_random_bytes_layout():
-    for seed in (0, 11, 2**32 + 3):
-        key = _lowbias32((seed % 2**32 + 0x9E3779B9) % 2**32)
-        want = [(_lowbias32((i // 4) ^ key) >> (8 * (i % 4))) & 0xFF for i in range(70)]
-        assert fp4.random_bytes(seed, 70).tolist() == want
-
-
-def test_random_bytes_from_an_offset():
-    """A shard's draws (start > 0) are the whole tensor's draws from that index on."""
-    for seed in (0, 11, 2**32 + 3):
-        whole = fp4.random_bytes(seed, 70)
-        for start in (1, 2, 3, 4, 5, 33, 69):
-            assert torch.equal(fp4.random_bytes(seed, 70 - start, start=start), whole[start:]), (seed, start)
 
 
 def _assert_shards_quantize_as_whole(x, world, **kw):
@@ -334,39 +249,6 @@ def test_nvfp4_tensor_scale_and_2d_consistency():
     # one scale per 16x16 tile, repeated on its rows
     s = q.scales.view(4, 16, 8)
     assert bool((s == s[:, :1]).all())
-
-
-# --- Hadamard -----------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("n", fp4.HADAMARD_SIZES)
-def test_hadamard_orthogonal_involution(n):
-    h = fp4.hadamard(torch.eye(n, dtype=torch.float64).float(), n).double()
-    syl = torch.ones(1, 1, dtype=torch.float64)
-    while syl.shape[0] < n:
-        syl = torch.cat((torch.cat((syl, syl), 1), torch.cat((syl, -syl), 1)), 0)
-    assert torch.allclose(h, syl / math.sqrt(n), atol=1e-7)
-    assert torch.allclose(h @ h.T, torch.eye(n, dtype=torch.float64), atol=1e-6)
-    x = torch.randn(8, 4 * n)
-    assert torch.allclose(fp4.hadamard(fp4.hadamard(x, n), n), x, atol=1e-5)
-    s = fp4.random_signs(n, 11)
-    y = fp4.hadamard(x, n, s)
-    back = (fp4.hadamard(y, n).view(8, 4, n) * s).view_as(x)  # (x D H) H D = x
-    assert torch.allclose(back, x, atol=1e-5)
-    xa = torch.randn(4 * n, 3)
-    assert torch.allclose(fp4.hadamard(xa, n, axis=0), fp4.hadamard(xa.t(), n).t())
-
-
-def test_random_signs():
-    s = fp4.random_signs(128, 0)
-    assert s.dtype == torch.float32 and set(s.unique().tolist()) == {-1.0, 1.0}
-    assert torch.equal(s, fp4.random_signs(128, 0))  # a pure function of the seed
-    assert torch.equal(fp4.random_signs(32, 5), fp4.random_signs(128, 5)[:32])
-    assert not torch.equal(s, fp4.random_signs(128, 1))
-    # balanced: over 64 seeds x 128 signs, the count of -1 is Binomial(8192, 1/2): sd 45.3, 5 sd
-    neg = sum(int((fp4.random_signs(128, seed) < 0).sum()) for seed in range(64))
-    assert abs(neg - 4096) < 5 * 45.3
-    with pytest.raises(ValueError, match="1 <= n <= 128"):
-        fp4.random_signs(256, 0)
 
 
 # --- Blackwell scale layout ---------------------------------------------------------------------
@@ -882,3 +764,181 @@ def test_four_over_six_and_eden_scale_free():
     tiny = torch.randn(1, 32, generator=torch.Generator().manual_seed(2)) * 2.0**-140  # d^2 was 0 for both
     check_quantized(tiny, fp4.quantize(tiny, "nvfp4", scale_rule="four_over_six"),
                     dict(fmt="nvfp4", scale_rule="four_over_six", rounding="rn"))
+
+
+# --- mm: the GEMM backends ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_mm_emulated_is_the_dequantized_product(fmt):
+    a = fp4.quantize(torch.randn(48, 256), fmt)
+    b = fp4.quantize(torch.randn(256, 80), fmt, axis=0)  # (K, N) quantized along K
+    y = fp4.mm(a, b, torch.float32, backend="emulated")
+    assert torch.equal(y, fp4.dequantize(a) @ fp4.dequantize(b))
+
+
+@fuzz(150)
+@given(st.sampled_from(["mxfp4", "nvfp4"]), st.sampled_from(["emulated", "bf16"]),
+       st.sampled_from([torch.float32, torch.bfloat16]), st.data())
+def test_mm_is_the_exact_product_within_rounding(fmt, backend, out_dtype, data):
+    """mm(a, b) on any operands (tensors(): zeros, subnormals, +-max, NaN, Inf) against the float64
+    product of the dequantized operands: within the derived bound of an FP32 dot product of K terms
+    in any order, gamma_K sum |a b| (gamma_K = K u / (1 - K u), u = 2^-24), plus the output's
+    rounding (2^-24 FP32, 2^-8 BF16 relative) and, on the bf16 backend's NVFP4 path, the FP32
+    product of the two tensor scales (u relative, 2^-150 absolute). Entries whose sum |a b| exceeds
+    FP32's range have no bound; rows or columns with a NaN or Inf operand are non-finite, never a
+    silent number. The bf16 backend (CUDA's) runs here through its function, on the CPU."""
+    configs = [c for c in QUANT_CONFIGS if c["fmt"] == fmt and c["rounding"] != "eden"]
+    x = data.draw(tensors(multiple=fp4.FORMATS[fmt], rows=(1, 5)))
+    w = data.draw(tensors(multiple=x.shape[1], blocks=(1, 1), rows=(1, 5)))
+    a = fp4.quantize(x, **data.draw(st.sampled_from(configs)))
+    b = fp4.quantize(w, **data.draw(st.sampled_from(configs)))
+    got = (fp4.mm(a, b, out_dtype) if backend == "emulated" else fp4._mm_bf16(a, b, out_dtype)).double()
+    da, db = fp4.dequantize(a).double(), fp4.dequantize(b).double()
+    exact, mass = da @ db.t(), da.abs() @ db.abs().t()
+    k, u = x.shape[1], 2.0**-24
+    gamma = k * u / (1 - k * u)
+    rnd = u if out_dtype == torch.float32 else 2.0**-8  # BF16: 8 significant bits
+    bound = gamma * mass + rnd * (exact.abs() + gamma * mass) + k * F32_TINY + 2 * F32_TINY
+    if backend == "bf16" and fmt == "nvfp4":
+        unit = [fp4.dequantize(fp4.QTensor(q.codes, q.scales, torch.ones(()), fmt, q.shape, q.axis)).double().abs()
+                for q in (a, b)]  # code * s: the operands before the tensor scales
+        unit_mass = unit[0] @ unit[1].t()
+        bound = bound + 2 * u * (exact.abs() + bound) + unit_mass * 2.0**-150
+    bad = ~torch.isfinite(da).all(1, keepdim=True) | ~torch.isfinite(db).all(1, keepdim=True).t()
+    assert bool((~torch.isfinite(got[bad.expand_as(got)])).all()), "a NaN/Inf operand row gave a number"
+    ok = bad | (mass > F32_MAX) | ((got - exact).abs() <= bound)
+    assert bool(ok.all()), f"off the bound: got {got[~ok][:3].tolist()}, exact {exact[~ok][:3].tolist()}, bound {bound[~ok][:3].tolist()}"
+
+
+def test_bf16_backend_tensor_scales_out_of_fp32_range():
+    """The bf16 backend multiplied its FP32 output by g_a g_b, one FP32 product: for tensors with
+    amax ~1e-20 it underflowed to 0 and the whole output came out 0; for two with amax ~1e37 it
+    overflowed, and a row of zeros gave NaN (0 * Inf) for 0 (test_mm_is_the_exact_product_within_
+    rounding found both). Now within FP32 rounding of the emulated product, the definition."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(16, 64, generator=g) * 1e-20, torch.randn(8, 64, generator=g) * 1e-20
+    a, b = fp4.quantize(x, "nvfp4"), fp4.quantize(w, "nvfp4")
+    want = fp4.mm(a, b, torch.float32, backend="emulated").double()
+    got = fp4._mm_bf16(a, b, torch.float32).double()
+    mass = fp4.dequantize(a).double().abs() @ fp4.dequantize(b).double().abs().t()
+    err = (got - want).abs()  # 2 gamma_64 sum |a b|; outputs ~1e-39 are FP32 subnormals, 2^-149 apart
+    assert bool((err <= 2 * 64 * 2.0**-24 * mass + 64 * F32_TINY).all()) and want.abs().max() > 0, err.max()
+    huge = fp4.quantize(torch.randn(16, 64, generator=g) * 1e37, "nvfp4")
+    zero_rows = fp4.quantize(torch.cat((torch.randn(4, 64, generator=g) * 1e37, torch.zeros(4, 64))), "nvfp4")
+    assert torch.equal(fp4._mm_bf16(huge, zero_rows, torch.float32)[:, 4:], torch.zeros(16, 4))
+
+
+def test_mm_bad_input():
+    a, b = fp4.quantize(torch.randn(8, 64)), fp4.quantize(torch.randn(8, 96))
+    with pytest.raises(ValueError, match="quantized along K"):
+        fp4.mm(a, b)
+    with pytest.raises(ValueError, match="share a format"):
+        fp4.mm(a, fp4.quantize(torch.randn(8, 64), "nvfp4"))
+    with pytest.raises(TypeError, match="two QTensors"):
+        fp4.mm(a, torch.randn(8, 64))
+    with pytest.raises(ValueError, match="unknown mm backend 'int4'"):
+        fp4.mm(a, a, backend="int4")
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        fp4.mm(a, a, backend="fp8")
+
+
+def test_backend_choice(monkeypatch):
+    assert fp4.mm_backend("mxfp4", "cpu") == "emulated"
+    monkeypatch.setenv("FP4_BACKEND", "bf16")
+    assert fp4.mm_backend("mxfp4", "cpu") == "bf16"
+    monkeypatch.setenv("FP4_BACKEND", "tf32")
+    with pytest.raises(ValueError, match="FP4_BACKEND='tf32'"):
+        fp4.mm_backend("mxfp4", "cpu")
+    monkeypatch.delenv("FP4_BACKEND")
+    b = fp4.backends("cpu")
+    assert b["quantize"] == "torch" and b["mm"] == "emulated"
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_native_layout_preparation(fmt):
+    """The Blackwell operands, built on the CPU: FP4 views of the codes, B column-major, scales
+    swizzled into cuBLAS's 128x4 tiles (they unswizzle back to the QTensor's scales)."""
+    a = fp4.quantize(torch.randn(200, 320), fmt)
+    b = fp4.quantize(torch.randn(72, 320), fmt)
+    args = fp4.native_args(a, b)
+    assert args["mat_a"].dtype == torch.float4_e2m1fn_x2 and args["mat_a"].shape == (200, 160)
+    assert args["mat_b"].shape == (160, 72) and args["mat_b"].stride() == (1, 160)  # column-major
+    sdt = torch.float8_e8m0fnu if fmt == "mxfp4" else torch.float8_e4m3fn
+    assert args["scale_a"].dtype == sdt
+    bs = fp4.FORMATS[fmt]
+    assert args["scale_a"].numel() == 256 * (-(-(320 // bs) // 4) * 4)
+    back = fp4.unswizzle_scales(args["scale_a"].view(torch.uint8), 200, 320 // bs)
+    assert torch.equal(back, a.scales)
+    assert torch.equal(args["mat_a"].view(torch.uint8), a.codes)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_bf16_backend_rounds_once_to_bf16(device):
+    """NVFP4 on the bf16 backend: its BF16 output (the FP32 product times the tensor scales,
+    rounded as stored) is the FP32 output rounded to BF16, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    a = fp4.quantize((torch.randn(96, 256, generator=g) * 7).to(device), "nvfp4")
+    b = fp4.quantize((torch.randn(64, 256, generator=g) * 0.01).to(device), "nvfp4")
+    got = fp4._mm_bf16(a, b, torch.bfloat16)  # the backend itself (fp4.mm allows it on CUDA only)
+    assert got.dtype == torch.bfloat16
+    want = fp4._mm_bf16(a, b, torch.float32).to(torch.bfloat16)
+    bad = (got != want).nonzero()[:5].tolist()
+    assert not bad, [(i, got[tuple(i)].item(), want[tuple(i)].item()) for i in bad]
+
+
+@cuda
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("shape", [(128, 256, 96), (512, 2048, 384), (64, 4096, 128)])
+def test_cuda_backends_match_emulated(fmt, shape):
+    m, k, n = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, k, device="cuda", generator=g)
+    w = torch.randn(n, k, device="cuda", generator=g)
+    a, b = fp4.quantize(x, fmt, hadamard=32), fp4.quantize(w, fmt, hadamard=32)
+    want = fp4.mm(a, b, torch.float32, backend="emulated")
+    backends = ["bf16"] + (["fp8"] if fmt == "mxfp4" and torch.cuda.get_device_capability() == (9, 0) else [])
+    for backend in backends:
+        got = fp4.mm(a, b, torch.float32, backend=backend)
+        # exact products, FP32 accumulation in another order: |err| <= K * 2^-23 * sum|a||b|,
+        # which for rotated Gaussian operands is far below 1e-5 of the norm
+        assert rel(got, want) < 1e-5, (backend, rel(got, want))
+
+
+@cuda
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0), reason="Hopper only")
+def test_fp8_fast_accumulation_bound():
+    """Inside the bound K * 144 * 2^(span_a + span_b) <= 2^FAST_ACCUM_BITS the fast mode is
+    exact: the FP32 result equals the FP64 product of the dequantized operands."""
+    bits = fp4.FAST_ACCUM_BITS
+    if bits <= 0:
+        pytest.skip("fast accumulation disabled (FP4_FAST_ACCUM_BITS=0)")
+    k = 2 ** (bits - 8) // 144 * 32 // 32 * 32 or 32
+    x = torch.randn(256, k, device="cuda")
+    a = fp4.quantize(x.clamp(-1, 1) + torch.sign(x) * 4)  # span 0: one scale everywhere
+    assert fp4.fast_accum_ok(a, a)
+    want = fp4.dequantize(a).double() @ fp4.dequantize(a).double().t()
+    got = fp4.mm(a, a, torch.float32, backend="fp8")
+    assert torch.equal(got.double(), want), rel(got, want)
+
+
+def test_ieee_fp32_turns_tf32_off_for_cuda_only():
+    """fp4.ieee_fp32: inside, CUDA FP32 matmuls are IEEE even where train.py enabled TF32; the flag
+    comes back after, also when the body raises; CPU devices leave it alone (CPU ignores it)."""
+    flags = torch.backends.cuda.matmul
+    old = flags.allow_tf32
+    try:
+        flags.allow_tf32 = True
+        with fp4.ieee_fp32("cuda"):
+            assert flags.allow_tf32 is False
+        assert flags.allow_tf32 is True
+        with pytest.raises(KeyError), fp4.ieee_fp32(torch.device("cuda", 0)):
+            raise KeyError
+        assert flags.allow_tf32 is True
+        with fp4.ieee_fp32("cpu"):
+            assert flags.allow_tf32 is True
+        flags.allow_tf32 = False
+        with fp4.ieee_fp32("cuda"):
+            assert flags.allow_tf32 is False
+        assert flags.allow_tf32 is False
+    finally:
+        flags.allow_tf32 = old

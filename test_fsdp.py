@@ -24,11 +24,12 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import checkpoint
 import configurator
 import distributed
+import muon
 import optim
 import train
 from test_train import HAVE_FP4, write_corpus
 
-needs_fp4 = pytest.mark.skipif(not HAVE_FP4, reason='fp4.to_fp4 not available yet')
+needs_fp4 = pytest.mark.skipif(not HAVE_FP4, reason='linear.to_fp4 not available yet')
 WORLD = 2
 DEADLINE_S = 60  # per run; each takes under 15 s on 2 busy cores: a hang fails, not stalls CI
 ATTEMPTS = 2  # a run that hangs past the deadline is killed and started once more
@@ -71,19 +72,19 @@ class Spy:
     """Records what FP4Linear's forward receives as its weight: (type, shape, dtype, DTensor?)."""
 
     def __init__(self):
-        import fp4
-        self.fp4, self.impl, self.seen = fp4, fp4._linear_fwd_impl, set()
+        import linear
+        self.linear, self.impl, self.seen = linear, linear._linear_fwd_impl, set()
 
     def __enter__(self):
         from torch.distributed.tensor import DTensor
         def spy(x, w, recipe, out_dtype):
             self.seen.add((type(w).__name__, tuple(w.shape), str(w.dtype), isinstance(w, DTensor)))
             return self.impl(x, w, recipe, out_dtype)
-        self.fp4._linear_fwd_impl = spy
+        self.linear._linear_fwd_impl = spy
         return self
 
     def __exit__(self, *exc):
-        self.fp4._linear_fwd_impl = self.impl
+        self.linear._linear_fwd_impl = self.impl
 
 
 def whole_matrix_check(rank, world):
@@ -151,11 +152,11 @@ OPTIMIZER_CASES = {  # name: (shapes, the optimizer on a list of parameters)
     'adamw_fp4_sr_h16_block': (ADAMW_SHAPES, lambda ps: optim.AdamW(ps, lr=1e-2, state='nvfp4', rounding='sr',
                                                                     hadamard=16, mean='block', fused=False)),
     'adamw_fp4_row': (ADAMW_SHAPES, lambda ps: optim.AdamW(ps, lr=1e-2, state='nvfp4', mean='row', fused=False)),
-    'muon': (ROOT_UNEVEN, lambda ps: optim.ROOT(ps, lr=1e-2, coefficients='muon', soft_threshold=None)),
-    'root': (ROOT_UNEVEN, lambda ps: optim.ROOT(ps, lr=1e-2)),
-    'root_fp4': (ROOT_SHAPES, lambda ps: optim.ROOT(ps, lr=1e-2, ns='nvfp4', state='bf16')),
-    'root_nvfp4_momentum': (ROOT_SHAPES, lambda ps: optim.ROOT(ps, lr=1e-2, ns='nvfp4', state='nvfp4')),
-    'root_nvfp4x2_momentum': (ROOT_SHAPES, lambda ps: optim.ROOT(ps, lr=1e-2, state='nvfp4x2')),
+    'muon': (ROOT_UNEVEN, lambda ps: muon.ROOT(ps, lr=1e-2, coefficients='muon', soft_threshold=None)),
+    'root': (ROOT_UNEVEN, lambda ps: muon.ROOT(ps, lr=1e-2)),
+    'root_fp4': (ROOT_SHAPES, lambda ps: muon.ROOT(ps, lr=1e-2, ns='nvfp4', state='bf16')),
+    'root_nvfp4_momentum': (ROOT_SHAPES, lambda ps: muon.ROOT(ps, lr=1e-2, ns='nvfp4', state='nvfp4')),
+    'root_nvfp4x2_momentum': (ROOT_SHAPES, lambda ps: muon.ROOT(ps, lr=1e-2, state='nvfp4x2')),
 }
 STEPS = 3
 
@@ -176,7 +177,7 @@ def optimizer_check(rank, world):
         fully_shard(sharded, mesh=mesh)
         o_whole, o_sharded = make(list(whole)), make(list(sharded))
         ran = []
-        if isinstance(o_sharded, optim.ROOT):
+        if isinstance(o_sharded, muon.ROOT):
             ns = o_sharded._ns
             o_sharded._ns = lambda u, *a: ran.append(list(u.shape)) or ns(u, *a)
         for step in range(STEPS):
@@ -556,7 +557,7 @@ def test_fsdp_trains_every_optimizer(runs, name):
     assert curve['val_steps'] == [0, 2] and curve['val_loss'][1] < curve['val_loss'][0] - 0.3, curve
     if name == 'adamw_fp4':  # rank 0 holds the states of its rows: about half of the whole optimizer's
         model = train.GPT(train.GPTConfig(**runs['fsdp_adamw_fp4']['summary']['model_args']))
-        whole = optim.build(model, 'adamw_fp4')  # one AdamW
+        whole = muon.build(model, 'adamw_fp4')  # one AdamW
         whole.init_state()
         mine, all_of_it = runs['fsdp_adamw_fp4']['summary']['optimizer_state_bytes'], optim.state_bytes(whole)
         print('adamw_fp4 state bytes: rank 0', mine, 'whole', all_of_it)

@@ -18,6 +18,7 @@ from hypothesis import given, strategies as st
 import formats
 import fp4
 import cuda_kernels as kernels
+import linear
 from test_formats import fuzz, tensors
 from test_fp4 import QUANT_CONFIGS
 
@@ -65,15 +66,17 @@ NOTE = {}
 
 
 def both(fn, *args, **kw):
-    """(kernel result, reference result) of fp4.fn. The reference runs on CPU copies of the inputs:
+    """(kernel result, reference result) of fp4.fn (fn a name; or fn itself, a function that
+    dispatches as fp4's do, e.g. linear._rotate_back). The reference runs on CPU copies of the inputs:
     the definition. It is also run on the CUDA inputs (FP4_KERNELS=torch); whether the two agree is
     recorded for failure messages (torch on CUDA divides by a Python scalar as a multiply by its
     reciprocal, so `amax / 6` can differ from the CPU's true division)."""
-    got = getattr(fp4, fn)(*args, **kw)
+    fn = fn if callable(fn) else getattr(fp4, fn)
+    got = fn(*args, **kw)
     torch.cuda.synchronize()  # surface launch errors here
     with reference():
-        want = getattr(fp4, fn)(*_to(args, "cpu"), **_to(kw, "cpu"))
-        want_cuda = getattr(fp4, fn)(*args, **kw)
+        want = fn(*_to(args, "cpu"), **_to(kw, "cpu"))
+        want_cuda = fn(*args, **kw)
     NOTE["ref"] = (f"[kernel == CUDA-run reference: {_same(got, want_cuda)}; "
                    f"CUDA-run reference == CPU reference: {_same(want_cuda, want)}]")
     return got, _to(want, "cuda")
@@ -418,7 +421,7 @@ def test_linear_cuda_graph_fresh_randomness(recipe):
     torch.manual_seed(0)
     x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
-    lin = fp4.FP4Linear(512, 384, recipe=recipe, device="cuda", dtype=torch.bfloat16)
+    lin = linear.FP4Linear(512, 384, recipe=recipe, device="cuda", dtype=torch.bfloat16)
     y_eager = lin(x).detach()
     graphed = torch.cuda.make_graphed_callables(lin, (x,))
     ref_dx = (g.float() @ lin.weight.float())
@@ -441,14 +444,15 @@ def test_linear_cuda_graph_fresh_randomness(recipe):
                                          ((64, 6144), torch.bfloat16), ((33, 96), torch.float16)])
 def test_rotate_back(shape, dtype):
     """The quartet backward's straight-through step (clip mask, inverse Hadamard-32, rounding to
-    the gradient's dtype): the rotate_back kernel against fp4._rotate_back's reference."""
+    the gradient's dtype): the rotate_back kernel (through linear._rotate_back) against
+    fp4.rotate_back_reference."""
     x = rand(shape, torch.float32, seed=3, special=True)
     with reference():
         q = fp4.quantize(x, "mxfp4", scale_rule="quest", hadamard=32)
     if x.numel() > 10**5:
         assert not bool(q.clip_mask().all()), "no element clipped: the mask is not exercised"
     d = rand(shape, dtype, seed=4, special=True)
-    got, want = both("_rotate_back", d, q, 32)
+    got, want = both(linear._rotate_back, d, q, 32)
     assert_same(got, want, "masked, rotated gradient")
 
 

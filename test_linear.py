@@ -1,175 +1,16 @@
-"""GEMM backends, FP4Linear and the recipes (CPU; the CUDA backends skip without a GPU)."""
+"""Tests of linear.py: the recipes, FP4Linear and to_fp4, the custom ops' forward and backward, and
+the fullstack recipe's LoRA-SVD wiring (CPU; the CUDA tests skip without a GPU). The GEMM backends:
+test_fp4.py; the randomized SVD: test_lora.py."""
 import math
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
 
 import fp4
+import linear
 import lora
-from test_formats import F32_MAX, F32_TINY, fuzz, tensors
-from test_fp4 import QUANT_CONFIGS
-
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm())
-
-
-# --- mm -----------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_mm_emulated_is_the_dequantized_product(fmt):
-    a = fp4.quantize(torch.randn(48, 256), fmt)
-    b = fp4.quantize(torch.randn(256, 80), fmt, axis=0)  # (K, N) quantized along K
-    y = fp4.mm(a, b, torch.float32, backend="emulated")
-    assert torch.equal(y, fp4.dequantize(a) @ fp4.dequantize(b))
-
-
-@fuzz(150)
-@given(st.sampled_from(["mxfp4", "nvfp4"]), st.sampled_from(["emulated", "bf16"]),
-       st.sampled_from([torch.float32, torch.bfloat16]), st.data())
-def test_mm_is_the_exact_product_within_rounding(fmt, backend, out_dtype, data):
-    """mm(a, b) on any operands (tensors(): zeros, subnormals, +-max, NaN, Inf) against the float64
-    product of the dequantized operands: within the derived bound of an FP32 dot product of K terms
-    in any order, gamma_K sum |a b| (gamma_K = K u / (1 - K u), u = 2^-24), plus the output's
-    rounding (2^-24 FP32, 2^-8 BF16 relative) and, on the bf16 backend's NVFP4 path, the FP32
-    product of the two tensor scales (u relative, 2^-150 absolute). Entries whose sum |a b| exceeds
-    FP32's range have no bound; rows or columns with a NaN or Inf operand are non-finite, never a
-    silent number. The bf16 backend (CUDA's) runs here through its function, on the CPU."""
-    configs = [c for c in QUANT_CONFIGS if c["fmt"] == fmt and c["rounding"] != "eden"]
-    x = data.draw(tensors(multiple=fp4.FORMATS[fmt], rows=(1, 5)))
-    w = data.draw(tensors(multiple=x.shape[1], blocks=(1, 1), rows=(1, 5)))
-    a = fp4.quantize(x, **data.draw(st.sampled_from(configs)))
-    b = fp4.quantize(w, **data.draw(st.sampled_from(configs)))
-    got = (fp4.mm(a, b, out_dtype) if backend == "emulated" else fp4._mm_bf16(a, b, out_dtype)).double()
-    da, db = fp4.dequantize(a).double(), fp4.dequantize(b).double()
-    exact, mass = da @ db.t(), da.abs() @ db.abs().t()
-    k, u = x.shape[1], 2.0**-24
-    gamma = k * u / (1 - k * u)
-    rnd = u if out_dtype == torch.float32 else 2.0**-8  # BF16: 8 significant bits
-    bound = gamma * mass + rnd * (exact.abs() + gamma * mass) + k * F32_TINY + 2 * F32_TINY
-    if backend == "bf16" and fmt == "nvfp4":
-        unit = [fp4.dequantize(fp4.QTensor(q.codes, q.scales, torch.ones(()), fmt, q.shape, q.axis)).double().abs()
-                for q in (a, b)]  # code * s: the operands before the tensor scales
-        unit_mass = unit[0] @ unit[1].t()
-        bound = bound + 2 * u * (exact.abs() + bound) + unit_mass * 2.0**-150
-    bad = ~torch.isfinite(da).all(1, keepdim=True) | ~torch.isfinite(db).all(1, keepdim=True).t()
-    assert bool((~torch.isfinite(got[bad.expand_as(got)])).all()), "a NaN/Inf operand row gave a number"
-    ok = bad | (mass > F32_MAX) | ((got - exact).abs() <= bound)
-    assert bool(ok.all()), f"off the bound: got {got[~ok][:3].tolist()}, exact {exact[~ok][:3].tolist()}, bound {bound[~ok][:3].tolist()}"
-
-
-def test_bf16_backend_tensor_scales_out_of_fp32_range():
-    """The bf16 backend multiplied its FP32 output by g_a g_b, one FP32 product: for tensors with
-    amax ~1e-20 it underflowed to 0 and the whole output came out 0; for two with amax ~1e37 it
-    overflowed, and a row of zeros gave NaN (0 * Inf) for 0 (test_mm_is_the_exact_product_within_
-    rounding found both). Now within FP32 rounding of the emulated product, the definition."""
-    g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(16, 64, generator=g) * 1e-20, torch.randn(8, 64, generator=g) * 1e-20
-    a, b = fp4.quantize(x, "nvfp4"), fp4.quantize(w, "nvfp4")
-    want = fp4.mm(a, b, torch.float32, backend="emulated").double()
-    got = fp4._mm_bf16(a, b, torch.float32).double()
-    mass = fp4.dequantize(a).double().abs() @ fp4.dequantize(b).double().abs().t()
-    err = (got - want).abs()  # 2 gamma_64 sum |a b|; outputs ~1e-39 are FP32 subnormals, 2^-149 apart
-    assert bool((err <= 2 * 64 * 2.0**-24 * mass + 64 * F32_TINY).all()) and want.abs().max() > 0, err.max()
-    huge = fp4.quantize(torch.randn(16, 64, generator=g) * 1e37, "nvfp4")
-    zero_rows = fp4.quantize(torch.cat((torch.randn(4, 64, generator=g) * 1e37, torch.zeros(4, 64))), "nvfp4")
-    assert torch.equal(fp4._mm_bf16(huge, zero_rows, torch.float32)[:, 4:], torch.zeros(16, 4))
-
-
-def test_mm_bad_input():
-    a, b = fp4.quantize(torch.randn(8, 64)), fp4.quantize(torch.randn(8, 96))
-    with pytest.raises(ValueError, match="quantized along K"):
-        fp4.mm(a, b)
-    with pytest.raises(ValueError, match="share a format"):
-        fp4.mm(a, fp4.quantize(torch.randn(8, 64), "nvfp4"))
-    with pytest.raises(TypeError, match="two QTensors"):
-        fp4.mm(a, torch.randn(8, 64))
-    with pytest.raises(ValueError, match="unknown mm backend 'int4'"):
-        fp4.mm(a, a, backend="int4")
-    with pytest.raises(ValueError, match="needs CUDA tensors"):
-        fp4.mm(a, a, backend="fp8")
-
-
-def test_backend_choice(monkeypatch):
-    assert fp4.mm_backend("mxfp4", "cpu") == "emulated"
-    monkeypatch.setenv("FP4_BACKEND", "bf16")
-    assert fp4.mm_backend("mxfp4", "cpu") == "bf16"
-    monkeypatch.setenv("FP4_BACKEND", "tf32")
-    with pytest.raises(ValueError, match="FP4_BACKEND='tf32'"):
-        fp4.mm_backend("mxfp4", "cpu")
-    monkeypatch.delenv("FP4_BACKEND")
-    b = fp4.backends("cpu")
-    assert b["quantize"] == "torch" and b["mm"] == "emulated"
-
-
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_native_layout_preparation(fmt):
-    """The Blackwell operands, built on the CPU: FP4 views of the codes, B column-major, scales
-    swizzled into cuBLAS's 128x4 tiles (they unswizzle back to the QTensor's scales)."""
-    a = fp4.quantize(torch.randn(200, 320), fmt)
-    b = fp4.quantize(torch.randn(72, 320), fmt)
-    args = fp4.native_args(a, b)
-    assert args["mat_a"].dtype == torch.float4_e2m1fn_x2 and args["mat_a"].shape == (200, 160)
-    assert args["mat_b"].shape == (160, 72) and args["mat_b"].stride() == (1, 160)  # column-major
-    sdt = torch.float8_e8m0fnu if fmt == "mxfp4" else torch.float8_e4m3fn
-    assert args["scale_a"].dtype == sdt
-    bs = fp4.FORMATS[fmt]
-    assert args["scale_a"].numel() == 256 * (-(-(320 // bs) // 4) * 4)
-    back = fp4.unswizzle_scales(args["scale_a"].view(torch.uint8), 200, 320 // bs)
-    assert torch.equal(back, a.scales)
-    assert torch.equal(args["mat_a"].view(torch.uint8), a.codes)
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
-def test_bf16_backend_rounds_once_to_bf16(device):
-    """NVFP4 on the bf16 backend: its BF16 output (the FP32 product times the tensor scales,
-    rounded as stored) is the FP32 output rounded to BF16, bit for bit."""
-    g = torch.Generator().manual_seed(3)
-    a = fp4.quantize((torch.randn(96, 256, generator=g) * 7).to(device), "nvfp4")
-    b = fp4.quantize((torch.randn(64, 256, generator=g) * 0.01).to(device), "nvfp4")
-    got = fp4._mm_bf16(a, b, torch.bfloat16)  # the backend itself (fp4.mm allows it on CUDA only)
-    assert got.dtype == torch.bfloat16
-    want = fp4._mm_bf16(a, b, torch.float32).to(torch.bfloat16)
-    bad = (got != want).nonzero()[:5].tolist()
-    assert not bad, [(i, got[tuple(i)].item(), want[tuple(i)].item()) for i in bad]
-
-
-@cuda
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("shape", [(128, 256, 96), (512, 2048, 384), (64, 4096, 128)])
-def test_cuda_backends_match_emulated(fmt, shape):
-    m, k, n = shape
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(m, k, device="cuda", generator=g)
-    w = torch.randn(n, k, device="cuda", generator=g)
-    a, b = fp4.quantize(x, fmt, hadamard=32), fp4.quantize(w, fmt, hadamard=32)
-    want = fp4.mm(a, b, torch.float32, backend="emulated")
-    backends = ["bf16"] + (["fp8"] if fmt == "mxfp4" and torch.cuda.get_device_capability() == (9, 0) else [])
-    for backend in backends:
-        got = fp4.mm(a, b, torch.float32, backend=backend)
-        # exact products, FP32 accumulation in another order: |err| <= K * 2^-23 * sum|a||b|,
-        # which for rotated Gaussian operands is far below 1e-5 of the norm
-        assert rel(got, want) < 1e-5, (backend, rel(got, want))
-
-
-@cuda
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0), reason="Hopper only")
-def test_fp8_fast_accumulation_bound():
-    """Inside the bound K * 144 * 2^(span_a + span_b) <= 2^FAST_ACCUM_BITS the fast mode is
-    exact: the FP32 result equals the FP64 product of the dequantized operands."""
-    bits = fp4.FAST_ACCUM_BITS
-    if bits <= 0:
-        pytest.skip("fast accumulation disabled (FP4_FAST_ACCUM_BITS=0)")
-    k = 2 ** (bits - 8) // 144 * 32 // 32 * 32 or 32
-    x = torch.randn(256, k, device="cuda")
-    a = fp4.quantize(x.clamp(-1, 1) + torch.sign(x) * 4)  # span 0: one scale everywhere
-    assert fp4.fast_accum_ok(a, a)
-    want = fp4.dequantize(a).double() @ fp4.dequantize(a).double().t()
-    got = fp4.mm(a, a, torch.float32, backend="fp8")
-    assert torch.equal(got.double(), want), rel(got, want)
+from test_fp4 import cuda, rel
+from test_lora import _spectrum_matrix
 
 
 # --- FP4Linear ----------------------------------------------------------------------------------
@@ -177,7 +18,7 @@ def test_fp8_fast_accumulation_bound():
 def test_bf16_recipe_equals_nn_linear():
     torch.manual_seed(0)
     ref = torch.nn.Linear(64, 32, bias=True)
-    lin = fp4.FP4Linear(64, 32, bias=True, recipe="bf16")
+    lin = linear.FP4Linear(64, 32, bias=True, recipe="bf16")
     lin.load_state_dict(ref.state_dict())
     x = torch.randn(5, 64)
     assert torch.equal(lin(x), ref(x))
@@ -185,7 +26,7 @@ def test_bf16_recipe_equals_nn_linear():
 
 def test_quartet_forward_is_reference_path():
     torch.manual_seed(1)
-    lin = fp4.FP4Linear(256, 128, recipe="quartet")
+    lin = linear.FP4Linear(256, 128, recipe="quartet")
     x = torch.randn(64, 256)
     qx = fp4.quantize(x, "mxfp4", scale_rule="quest", hadamard=32)
     qw = fp4.quantize(lin.weight, "mxfp4", scale_rule="quest", hadamard=32)
@@ -194,7 +35,7 @@ def test_quartet_forward_is_reference_path():
 
 def _ste_grads(recipe, x, w, e):
     """The straight-through gradients of the quantized forward (what the FP4 backward estimates)."""
-    r = fp4.RECIPES[recipe]
+    r = linear.RECIPES[recipe]
     qx, qw = fp4.quantize(x, r["fmt"], **r["x"]), fp4.quantize(w, r["fmt"], **r["w"])
     dx, dw = e @ fp4.dequantize(qw), e.t() @ fp4.dequantize(qx)
     if r["rotate_back"]:
@@ -210,11 +51,11 @@ def test_backward_unbiased_and_really_fp4(recipe):
     torch.manual_seed(2)
     m, k, n = 128, 128, 128
     x, w, e = torch.randn(m, k), torch.randn(n, k) * 0.05, torch.randn(m, n)
-    out = fp4._linear_fwd(x, w, recipe, torch.float32)
+    out = linear._linear_fwd(x, w, recipe, torch.float32)
     ste_dx, ste_dw = _ste_grads(recipe, x, w, e)
     sums, errs = [torch.zeros_like(x), torch.zeros_like(w)], {}
     for i in range(1, 129):
-        dx, dw = fp4._linear_bwd(e, *out[1:], recipe, torch.float32, torch.float32)
+        dx, dw = linear._linear_bwd(e, *out[1:], recipe, torch.float32, torch.float32)
         sums[0] += dx
         sums[1] += dw
         if i in (1, 8, 128):
@@ -242,10 +83,10 @@ def test_three_gemms_get_qtensors(recipe, monkeypatch):
         return real_mm(a, b, *args, **kw)
 
     monkeypatch.setattr(fp4, "mm", counting_mm)
-    lin = fp4.FP4Linear(128, 128, recipe=recipe)
+    lin = linear.FP4Linear(128, 128, recipe=recipe)
     x = torch.randn(2, 64, 128, requires_grad=True)
     lin(x).sum().backward()
-    fmt = fp4.RECIPES[recipe]["fmt"]
+    fmt = linear.RECIPES[recipe]["fmt"]
     assert calls == [("QTensor", "QTensor", fmt)] * 3
     assert x.grad.shape == x.shape and lin.weight.grad.shape == lin.weight.shape
 
@@ -253,7 +94,7 @@ def test_three_gemms_get_qtensors(recipe, monkeypatch):
 @pytest.mark.parametrize("recipe, ratio", [("quartet", 3.0), ("nvfp4", 3.4), ("quartet2", 3.4)])
 def test_saved_activations_are_fp4(recipe, ratio):
     """The forward saves FP4 codes + scales (+ QuEST's 1-bit mask), not a 2-byte copy of X."""
-    lin = fp4.FP4Linear(256, 256, recipe=recipe, dtype=torch.bfloat16)
+    lin = linear.FP4Linear(256, 256, recipe=recipe, dtype=torch.bfloat16)
     x = torch.randn(512, 256, dtype=torch.bfloat16, requires_grad=True)
     saved = []
 
@@ -271,28 +112,28 @@ def test_saved_activations_are_fp4(recipe, ratio):
 def test_to_fp4_swaps_in_place_and_skips():
     model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128))
     w0 = model[0].weight
-    fp4.to_fp4(model, "quartet", skip=["2"])
-    assert isinstance(model[0], fp4.FP4Linear) and model[0].weight is w0 and model[0].recipe == "quartet"
+    linear.to_fp4(model, "quartet", skip=["2"])
+    assert isinstance(model[0], linear.FP4Linear) and model[0].weight is w0 and model[0].recipe == "quartet"
     assert type(model[2]) is torch.nn.Linear
-    fp4.to_fp4(model, "nvfp4", skip=lambda name, mod: False)
-    assert isinstance(model[2], fp4.FP4Linear) and model[0].recipe == "quartet"  # already swapped
+    linear.to_fp4(model, "nvfp4", skip=lambda name, mod: False)
+    assert isinstance(model[2], linear.FP4Linear) and model[0].recipe == "quartet"  # already swapped
     model(torch.randn(32, 128)).sum().backward()
 
 
 def test_linear_bad_input():
     with pytest.raises(ValueError, match="unknown recipe 'fp2'"):
-        fp4.FP4Linear(128, 128, recipe="fp2")
+        linear.FP4Linear(128, 128, recipe="fp2")
     with pytest.raises(ValueError, match="divisible by 128"):
-        fp4.FP4Linear(128, 96, recipe="quartet2")
+        linear.FP4Linear(128, 96, recipe="quartet2")
     with pytest.raises(ValueError, match="token count"):
-        fp4.FP4Linear(64, 64, recipe="quartet")(torch.randn(5, 64))
+        linear.FP4Linear(64, 64, recipe="quartet")(torch.randn(5, 64))
     with pytest.raises(ValueError, match="unknown recipe"):
-        fp4.to_fp4(torch.nn.Linear(4, 4), "int8")
+        linear.to_fp4(torch.nn.Linear(4, 4), "int8")
 
 
 def test_compile_has_no_graph_breaks():
     torch._dynamo.reset()
-    model = torch.nn.Sequential(fp4.FP4Linear(128, 256), torch.nn.GELU(), fp4.FP4Linear(256, 128))
+    model = torch.nn.Sequential(linear.FP4Linear(128, 256), torch.nn.GELU(), linear.FP4Linear(256, 128))
     x = torch.randn(64, 128)
     explain = torch._dynamo.explain(model)(x)
     assert explain.graph_break_count == 0, explain.break_reasons
@@ -306,91 +147,29 @@ def test_compile_has_no_graph_breaks():
 
 # --- fullstack: LoRA-SVD projections (SPEC 8.4) -----------------------------------------------
 
-def _spectrum_matrix(m, n, s, seed):
-    """A (m, n) = U diag(s) V^T with random orthonormal U, V."""
-    g = torch.Generator().manual_seed(seed)
-    u = torch.linalg.qr(torch.randn(m, len(s), generator=g)).Q
-    v = torch.linalg.qr(torch.randn(n, len(s), generator=g)).Q
-    return (u * s) @ v.t()
-
-
-def _halko_spectral_bound(s, k, p, q):
-    """Halko, Martinsson, Tropp 2011: the expected spectral error E||(I - Q Q^T) A|| of the
-    Gaussian range finder with k + p columns; q = 0 is Theorem 10.6, q > 0 Corollary 10.10:
-    [(1 + sqrt(k/(p-1))) s_{k+1}^(2q+1) + e sqrt(k+p)/p (sum_{j>k} s_j^(2(2q+1)))^(1/2)]^(1/(2q+1))."""
-    t = 2 * q + 1
-    first = (1 + math.sqrt(k / (p - 1))) * s[k] ** t
-    tail = math.e * math.sqrt(k + p) / p * float((s[k:] ** (2 * t)).sum().sqrt())
-    return (first + tail) ** (1 / t)
-
-
-@pytest.mark.parametrize("alpha, q", [(2.0, 0), (0.5, 2)])
-def test_randomized_svd_within_halko_bounds(alpha, q):
-    """Against torch.linalg.svd: the mean range-finder error over 8 fixed seeds stays under the
-    expectation bound (Thm 10.6 / Cor 10.10, spectral; Thm 10.5, Frobenius: sqrt(1 + k/(p-1))
-    times the tail), and per seed the rank-k factors obey the deterministic consequences:
-    sigma_{k+1} <= ||A - U S V^T|| <= ||(I - QQ^T) A|| + sigma_{k+1} and |S_i - sigma_i| <=
-    ||(I - QQ^T) A|| (Weyl). A broken range (any Q not fitted to A) errs by ~sigma_1 = 1."""
-    m, n, k, p = 300, 200, 10, 6
-    s = (1 + torch.arange(n, dtype=torch.float32)) ** -alpha
-    a = _spectrum_matrix(m, n, s, seed=0)
-    sigma = torch.linalg.svdvals(a.double())
-    spec, frob = [], []
-    for seed in range(8):
-        qm = lora._range_finder(a, k + p, q, seed)
-        resid = (a - qm @ (qm.t() @ a)).double()
-        spec.append(float(torch.linalg.matrix_norm(resid, 2)))
-        frob.append(float(resid.norm()))
-        u, sv, v = fp4.randomized_svd(a, k, oversample=p, power_iters=q, seed=seed)
-        err = float(torch.linalg.matrix_norm((a - (u * sv) @ v.t()).double(), 2))
-        slack = 1e-5  # FP32 rounding of the products
-        assert sigma[k] - slack <= err <= spec[-1] + sigma[k] + slack, (seed, err, spec[-1], float(sigma[k]))
-        assert float((sv.double() - sigma[:k]).abs().max()) <= spec[-1] + slack, seed
-    bound = _halko_spectral_bound(sigma, k, p, q)
-    assert sum(spec) / 8 <= bound and float(sigma[k + p]) <= min(spec), (sum(spec) / 8, bound)  # k+p columns
-    if q == 0:
-        frob_bound = math.sqrt(1 + k / (p - 1)) * float(sigma[k:].square().sum().sqrt())
-        assert sum(frob) / 8 <= frob_bound, (sum(frob) / 8, frob_bound)
-
-
-def test_randomized_svd_defaults_near_optimal_and_errors():
-    """With the defaults (p = 16, q = 4) the rank-32 error of a slowly decaying spectrum is within
-    3% of the optimum sigma_33 (Eckart-Young); bad arguments get clear errors."""
-    s = (1 + torch.arange(256, dtype=torch.float32)) ** -0.5
-    a = _spectrum_matrix(512, 256, s, seed=1)
-    u, sv, v = fp4.randomized_svd(a, 32)
-    assert u.shape == (512, 32) and sv.shape == (32,) and v.shape == (256, 32)
-    err = float(torch.linalg.matrix_norm(a - (u * sv) @ v.t(), 2))
-    assert err <= 1.03 * float(s[32]), (err, float(s[32]))
-    with pytest.raises(ValueError, match=r"rank must be in 1..min\(512, 256\) = 256, got 257"):
-        fp4.randomized_svd(a, 257)
-    with pytest.raises(ValueError, match="2-D"):
-        fp4.randomized_svd(torch.randn(4, 4, 4), 2)
-
-
 def test_lora_rank_errors():
     with pytest.raises(ValueError, match=r"1..min\(in, out\) = 128 for a 256->128 layer, got 129"):
-        fp4.FP4Linear(256, 128, recipe="fullstack", lora_rank=129)
+        linear.FP4Linear(256, 128, recipe="fullstack", lora_rank=129)
     with pytest.raises(ValueError, match="got -2"):
-        fp4.FP4Linear(256, 128, recipe="fullstack", lora_rank=-2)
+        linear.FP4Linear(256, 128, recipe="fullstack", lora_rank=-2)
     with pytest.raises(ValueError, match="lora_rank is a parameter of recipe 'fullstack', not 'nvfp4'"):
-        fp4.FP4Linear(256, 128, recipe="nvfp4", lora_rank=16)
+        linear.FP4Linear(256, 128, recipe="nvfp4", lora_rank=16)
     with pytest.raises(TypeError, match="lora_rank must be an int"):
-        fp4.FP4Linear(256, 128, recipe="fullstack", lora_rank=16.0)
-    assert fp4.FP4Linear(256, 128, recipe="fullstack").lora_rank == fp4.lora_rank_for(256, 128) == 16
-    assert fp4.lora_rank_for(2048, 8192) == 128 and fp4.lora_rank_for(640, 1792) == 48
-    assert fp4.FP4Linear(256, 128, recipe="fullstack", lora_rank=-1).lora_rank == 0  # no L
-    bad = fp4.FP4Linear(128, 128, recipe="fullstack")
+        linear.FP4Linear(256, 128, recipe="fullstack", lora_rank=16.0)
+    assert linear.FP4Linear(256, 128, recipe="fullstack").lora_rank == lora.lora_rank_for(256, 128) == 16
+    assert lora.lora_rank_for(2048, 8192) == 128 and lora.lora_rank_for(640, 1792) == 48
+    assert linear.FP4Linear(256, 128, recipe="fullstack", lora_rank=-1).lora_rank == 0  # no L
+    bad = linear.FP4Linear(128, 128, recipe="fullstack")
     bad.weight.data[3, 5] = float("nan")
     with pytest.raises(ValueError, match="non-finite weight"):
-        fp4.refit_lora(bad)
+        linear.refit_lora(bad)
 
 
 def _fullstack(w, rank):
     n, k = w.shape
-    lin = fp4.FP4Linear(k, n, recipe="fullstack", lora_rank=rank)
+    lin = linear.FP4Linear(k, n, recipe="fullstack", lora_rank=rank)
     lin.weight.data.copy_(w)
-    fp4.refit_lora(lin)
+    linear.refit_lora(lin)
     return lin
 
 
@@ -469,8 +248,8 @@ def test_fullstack_gemm_operands(monkeypatch):
     import inspect
     m, k, n, r = 128, 256, 384, 32
     torch.manual_seed(4)
-    lin = fp4.FP4Linear(k, n, recipe="fullstack", lora_rank=r)
-    fp4.refit_lora(lin)
+    lin = linear.FP4Linear(k, n, recipe="fullstack", lora_rank=r)
+    linear.refit_lora(lin)
     resid = lin.weight.detach() - lin.lora_us.float() @ lin.lora_v.float().t()
     quants, mms = [], []
     real_q, real_rq, real_mm = fp4.quantize, fp4.requantize, fp4.mm
@@ -526,8 +305,8 @@ def test_fullstack_refit_mid_run():
     loss keeps falling after it."""
     torch.manual_seed(6)
     teacher = torch.randn(128, 8) @ torch.randn(8, 128) / 8
-    model = torch.nn.Sequential(fp4.FP4Linear(128, 128, recipe="fullstack", lora_rank=16))
-    fp4.refit_lora(model)
+    model = torch.nn.Sequential(linear.FP4Linear(128, 128, recipe="fullstack", lora_rank=16))
+    linear.refit_lora(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     x_eval = torch.randn(128, 128)
     losses = []
@@ -535,7 +314,7 @@ def test_fullstack_refit_mid_run():
         if step == 30:
             lin = model[0]
             w, us, y0 = lin.weight.detach().clone(), lin.lora_us.clone(), model(x_eval).detach()
-            assert fp4.refit_lora(model, seed=step) == 1
+            assert linear.refit_lora(model, seed=step) == 1
             assert torch.equal(lin.weight, w) and not torch.equal(lin.lora_us, us)
             assert rel(model(x_eval).detach(), y0) < 0.2  # FP4 noise, not a new function
         x = torch.randn(128, 128)
@@ -552,10 +331,10 @@ def test_fullstack_refit_mid_run():
 def test_fullstack_state_dict_round_trip(tmp_path):
     """L's factors are buffers: a saved and reloaded layer (through torch.save) is the same layer."""
     torch.manual_seed(7)
-    a = fp4.FP4Linear(256, 128, recipe="fullstack", lora_rank=32)
-    fp4.refit_lora(a)
+    a = linear.FP4Linear(256, 128, recipe="fullstack", lora_rank=32)
+    linear.refit_lora(a)
     torch.save(a.state_dict(), tmp_path / "lin.pt")
-    b = fp4.FP4Linear(256, 128, recipe="fullstack", lora_rank=32)
+    b = linear.FP4Linear(256, 128, recipe="fullstack", lora_rank=32)
     assert not torch.equal(b.lora_us, a.lora_us)
     b.load_state_dict(torch.load(tmp_path / "lin.pt"))
     assert set(a.state_dict()) == {"weight", "lora_us", "lora_v"} and a.lora_us.dtype == torch.bfloat16
@@ -564,7 +343,7 @@ def test_fullstack_state_dict_round_trip(tmp_path):
     x = torch.randn(128, 256)
     assert torch.equal(a(x), b(x))
     with pytest.raises(RuntimeError, match="size mismatch"):
-        fp4.FP4Linear(256, 128, recipe="fullstack", lora_rank=16).load_state_dict(a.state_dict())
+        linear.FP4Linear(256, 128, recipe="fullstack", lora_rank=16).load_state_dict(a.state_dict())
 
 
 def test_fullstack_compiles_and_follows_refits():
@@ -572,9 +351,9 @@ def test_fullstack_compiles_and_follows_refits():
     buffers as inputs: after a refit the compiled module computes with the new L."""
     torch._dynamo.reset()
     torch.manual_seed(8)
-    model = torch.nn.Sequential(fp4.FP4Linear(128, 256, recipe="fullstack"), torch.nn.GELU(),
-                                fp4.FP4Linear(256, 128, recipe="fullstack"))
-    fp4.refit_lora(model)
+    model = torch.nn.Sequential(linear.FP4Linear(128, 256, recipe="fullstack"), torch.nn.GELU(),
+                                linear.FP4Linear(256, 128, recipe="fullstack"))
+    linear.refit_lora(model)
     x = torch.randn(128, 128)
     explain = torch._dynamo.explain(model)(x)
     assert explain.graph_break_count == 0, explain.break_reasons
@@ -582,7 +361,7 @@ def test_fullstack_compiles_and_follows_refits():
     assert torch.equal(compiled(x), model(x))
     with torch.no_grad():
         model[0].weight.mul_(1.5)
-    fp4.refit_lora(model)
+    linear.refit_lora(model)
     assert torch.equal(compiled(x), model(x))
     compiled(x).square().sum().backward()
     assert torch.isfinite(model[0].weight.grad).all() and model[0].lora_us.grad is None
@@ -598,9 +377,9 @@ def test_fullstack_cuda_matches_reference_and_compiles():
     s = (1 + torch.arange(512, dtype=torch.float32)) ** -0.5
     w = 0.02 * 16 * _spectrum_matrix(1024, 512, s, seed=3)
     cpu = _fullstack(w, 32)
-    gpu = fp4.FP4Linear(512, 1024, recipe="fullstack", lora_rank=32, device="cuda")
+    gpu = linear.FP4Linear(512, 1024, recipe="fullstack", lora_rank=32, device="cuda")
     gpu.weight.data.copy_(w)
-    fp4.refit_lora(gpu)
+    linear.refit_lora(gpu)
     err = float(torch.linalg.matrix_norm(w.cuda() - gpu.lora_us.float() @ gpu.lora_v.float().t(), 2))
     assert err <= 1.03 * 0.02 * 16 * float(s[32]), err  # BF16 factors: within 3% of sigma_33
     gpu.load_state_dict(cpu.state_dict())  # the same L on both
@@ -616,26 +395,3 @@ def test_fullstack_cuda_matches_reference_and_compiles():
     base = _quant_errors(_fullstack(w, -1).cuda(), x.cuda(), e.cuda())
     ours = _quant_errors(gpu, x.cuda(), e.cuda())
     assert all(o < 0.9 * b for o, b in zip(ours, base)), (base, ours)
-
-
-def test_ieee_fp32_turns_tf32_off_for_cuda_only():
-    """fp4.ieee_fp32: inside, CUDA FP32 matmuls are IEEE even where train.py enabled TF32; the flag
-    comes back after, also when the body raises; CPU devices leave it alone (CPU ignores it)."""
-    flags = torch.backends.cuda.matmul
-    old = flags.allow_tf32
-    try:
-        flags.allow_tf32 = True
-        with fp4.ieee_fp32("cuda"):
-            assert flags.allow_tf32 is False
-        assert flags.allow_tf32 is True
-        with pytest.raises(KeyError), fp4.ieee_fp32(torch.device("cuda", 0)):
-            raise KeyError
-        assert flags.allow_tf32 is True
-        with fp4.ieee_fp32("cpu"):
-            assert flags.allow_tf32 is True
-        flags.allow_tf32 = False
-        with fp4.ieee_fp32("cuda"):
-            assert flags.allow_tf32 is False
-        assert flags.allow_tf32 is False
-    finally:
-        flags.allow_tf32 = old

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import fp4
+import muon
 import newton_schulz as ns
-import optim
 from newton_schulz import GraphedNS, MUON_COEFFICIENTS, NS_PRECISIONS, ROOT_COEFFICIENTS, newton_schulz, ns_coefficients
 from test_optim import gpu
 
@@ -237,7 +237,7 @@ def _root_run(ns_graph, shapes, steps=3, device="cuda"):
     g = torch.Generator(device=device).manual_seed(11)
     ps = [torch.nn.Parameter(torch.randn(*s, generator=g, device=device)) for s in shapes]
     grads = [[torch.randn(*s, generator=g, device=device) for s in shapes] for _ in range(steps)]
-    opt = optim.ROOT(ps, lr=0.02, ns="nvfp4", state="bf16", ns_graph=ns_graph)
+    opt = muon.ROOT(ps, lr=0.02, ns="nvfp4", state="bf16", ns_graph=ns_graph)
     for step in grads:
         for p, gr in zip(ps, step):
             p.grad = gr.clone()
@@ -257,7 +257,7 @@ def test_graphed_ns_off_the_gpu_is_newton_schulz():
     (graphed,), _ = _root_run(True, [(32, 48)], steps=2, device="cpu")
     assert torch.equal(plain, graphed)
     with pytest.raises(TypeError, match="ns_graph"):
-        optim.ROOT([torch.nn.Parameter(torch.zeros(16, 16))], ns_graph="yes")
+        muon.ROOT([torch.nn.Parameter(torch.zeros(16, 16))], ns_graph="yes")
 
 
 @gpu

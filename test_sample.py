@@ -71,9 +71,9 @@ def test_padded_rows_come_out_as_in_a_full_batch(recipe):
     """3 rows, padded with zero rows to the recipe's multiple, against the same 3 rows
     repeated to fill the multiple: same per-row blocks, same absmax (NVFP4's tensor scale),
     so the same outputs up to the FP32 GEMM's summation order."""
-    import fp4
-    mult = fp4._dim_multiple(recipe)
-    lin = fp4.FP4Linear(128, 256, recipe=recipe)
+    import linear
+    mult = linear._dim_multiple(recipe)
+    lin = linear.FP4Linear(128, 256, recipe=recipe)
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(3))
     with pytest.raises(ValueError, match='token count'):
         lin(x)

@@ -13,6 +13,7 @@ import torch
 
 import formats
 import fp4
+import linear
 import selfcheck
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -153,14 +154,14 @@ def test_selfcheck_off_uses_paths_unchecked_and_says_so(monkeypatch):
 
 def test_cli_prints_table_and_writes_check_json(tmp_path):
     env = dict(os.environ, PYTHONPATH=HERE)
-    p = subprocess.run([sys.executable, "-m", "fp4", "check"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, os.path.join(HERE, "check.py")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     rows = {ln.split("|")[0].strip(): ln.split("|")[2].strip() for ln in p.stdout.splitlines() if "|" in ln}
     assert rows["mm.emulated"] == rows["mm.bf16"] == rows["quantize.reference"] == "verified"
     assert rows["mm.native"] == rows["kernel.sr"] == "unavailable"
     saved = json.loads((tmp_path / "results" / "cpu" / "check.json").read_text())
-    assert saved["command"] == "python -m fp4 check" and len(saved["rows"]) == len(rows) - 1
-    bad = subprocess.run([sys.executable, "-m", "fp4", "check", "--bogus"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert saved["command"] == "python check.py" and len(saved["rows"]) == len(rows) - 1
+    bad = subprocess.run([sys.executable, os.path.join(HERE, "check.py"), "--bogus"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "usage" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -174,7 +175,7 @@ def test_layer_with_a_failing_native_path_trains_on_the_fallback_and_logs_it(mon
         return y.detach(), x.grad.clone(), layer.weight.grad.clone()
 
     torch.manual_seed(1)
-    layer, x = fp4.FP4Linear(256, 128), torch.randn(64, 256)
+    layer, x = linear.FP4Linear(256, 128), torch.randn(64, 256)
     want = step(layer, x.clone().requires_grad_())
     lines = []
     selfcheck.attach(lines.append)
@@ -291,7 +292,7 @@ def test_mm_refusals_state_scaled_mm_rules():
 
 
 def test_check_availability_by_compute_capability(monkeypatch):
-    """What `python -m fp4 check` runs on each GPU generation, from stand-in capabilities (no GPU
+    """What `python check.py` runs on each GPU generation, from stand-in capabilities (no GPU
     here): the BF16 backend and the kernels everywhere (with CuPy), FP8 GEMMs from sm_89, the
     native FP4 GEMM on sm_100 / sm_120 only, the Triton GEMM from sm_80 where Triton is (NVFP4's
     default on sm_90); and what mm uses by default there."""

@@ -27,11 +27,12 @@ from model import GPT, SIZES, apply_recipe, config_for, fp4_blocks
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 try:
-    import fp4
-    HAVE_FP4 = hasattr(fp4, 'to_fp4')
+    import linear
+    import lora
+    HAVE_FP4 = hasattr(linear, 'to_fp4')
 except ImportError:
     HAVE_FP4 = False
-needs_fp4 = pytest.mark.skipif(not HAVE_FP4, reason='fp4.to_fp4 not available yet')
+needs_fp4 = pytest.mark.skipif(not HAVE_FP4, reason='linear.to_fp4 not available yet')
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec('torchao') is None,
                                    reason="recipe 'float8' needs torchao (pip install torchao)")
 
@@ -140,7 +141,7 @@ def test_recompute_mlp_same_loss_and_grads(recipe):
     plain = apply_recipe(GPT(config_for('tiny', vocab_size=256, block_size=32)), recipe)
     again = apply_recipe(GPT(config_for('tiny', vocab_size=256, block_size=32, recompute='mlp')), recipe)
     if recipe == 'fullstack':
-        fp4.refit_lora(plain)  # L != 0: its BF16 part runs in the rerun too
+        linear.refit_lora(plain)  # L != 0: its BF16 part runs in the rerun too
     again.load_state_dict(plain.state_dict())
     idx = torch.randint(0, 256, (4, 33))  # 128 tokens: every recipe's multiple
 
@@ -163,11 +164,11 @@ def test_recompute_mlp_same_loss_and_grads(recipe):
 
 @pytest.mark.parametrize('recipe', ['bf16', 'quartet', 'nvfp4', 'quartet2'])
 def test_apply_recipe_placement(recipe, monkeypatch):
-    """Which modules reach fp4.to_fp4: the blocks only; nvfp4 spares the first and last."""
+    """Which modules reach linear.to_fp4: the blocks only; nvfp4 spares the first and last."""
     seen = []
-    stub = type(sys)('fp4')
+    stub = type(sys)('linear')
     stub.to_fp4 = lambda module, recipe, skip=None: seen.append((module, recipe)) or module
-    monkeypatch.setitem(sys.modules, 'fp4', stub)
+    monkeypatch.setitem(sys.modules, 'linear', stub)
     m = GPT(config_for('tiny', vocab_size=256, block_size=16))
     apply_recipe(m, recipe)
     blocks = list(m.transformer.h)
@@ -184,9 +185,9 @@ def test_end_blocks_sets_the_coverage(recipe, monkeypatch):
     """end_blocks 'bf16' keeps the first and last blocks out of any recipe, 'fp4' puts them
     in any (nvfp4 too), 'auto' is the recipe's rule; a resumed run keeps its checkpoint's."""
     seen = []
-    stub = type(sys)('fp4')
+    stub = type(sys)('linear')
     stub.to_fp4 = lambda module, recipe, skip=None: seen.append(module) or module
-    monkeypatch.setitem(sys.modules, 'fp4', stub)
+    monkeypatch.setitem(sys.modules, 'linear', stub)
     for ends, want in (('bf16', [1, 2]), ('fp4', [0, 1, 2, 3]), ('auto', [1, 2] if recipe == 'nvfp4' else [0, 1, 2, 3])):
         seen.clear()
         m = apply_recipe(GPT(config_for('tiny', n_layer=4, vocab_size=256, block_size=16, end_blocks=ends)), recipe)
@@ -208,7 +209,7 @@ def test_apply_recipe_real(recipe):
     for i, block in enumerate(m.transformer.h):
         fp4_here = recipe != 'nvfp4' or 0 < i < L - 1
         for lin in (block.attn.qkv, block.attn.o, block.mlp.gate_up, block.mlp.down):
-            assert isinstance(lin, fp4.FP4Linear) == fp4_here, (i, lin)
+            assert isinstance(lin, linear.FP4Linear) == fp4_here, (i, lin)
     assert type(m.lm_head) is torch.nn.Linear
     after = m.state_dict()
     for k, v in before.items():  # same keys, weights copied
@@ -341,7 +342,7 @@ def test_resume_fullstack_carries_lora(corpus, tmp_path):
 def test_lora_refit_schedule():
     """Refits at 0 and every interval, and below the first interval at first, 2 first, 4 first, ..."""
     def due(steps, interval, first):
-        return [t for t in range(steps) if fp4.lora_refit_due(t, interval, first)]
+        return [t for t in range(steps) if lora.lora_refit_due(t, interval, first)]
     assert due(9000, 4000, 50) == [0, 50, 100, 200, 400, 800, 1600, 3200, 4000, 8000]
     assert due(400, 50, 50) == list(range(0, 400, 50))  # the study's refit50 runs
     assert due(400, 100, 30) == [0, 30, 60, 100, 200, 300]  # 120 = 4 first is past the interval

@@ -32,6 +32,10 @@ import configurator
 import corpus
 import distributed
 import fp4
+import linear
+import lora
+import muon
+import newton_schulz
 import optim
 import runlog
 import selfcheck
@@ -66,7 +70,7 @@ attention = 'bf16'        # one of model.ATTENTIONS: 'nvfp4' is FP4 attention (a
 loss_chunk = 0            # > 0: cross-entropy over the lm_head this many tokens at a time (the logits never whole)
 recompute = 'none'        # one of model.RECOMPUTES: 'mlp' reruns ln_2 -> gate_up -> SwiGLU in the backward (less memory)
 # AdamW and the lr schedule (Quartet's: betas (0.9, 0.95), wd 0.1, clip 1, cosine, 10% warmup)
-optimizer = 'adamw'  # adamw | adamw_fp4 | muon | root | root_fp4 (optim.build)
+optimizer = 'adamw'  # adamw | adamw_fp4 | muon | root | root_fp4 (muon.build)
 ns_precision = ''         # ablations: the Muon family's Newton-Schulz precision instead of the optimizer's ('' = its own)
 optimizer_states = ''     # ablations: the optimizer's states instead of its own: fp32 | nvfp4 (AdamW's and ROOT's), bf16 | nvfp4x2 (ROOT's momentum; AdamW's part FP32 | NVFP4)
 weight_decay = 0.1
@@ -123,8 +127,8 @@ RULES = dict(
     lora_rank=_C.Int(-1, note='-1: none, 0: the default rule'), lora_refit_interval=_C.Int(0, note='0: never'),
     lora_refit_first=_C.Int(0, note='0: none'), end_blocks=_C.Choice(*END_BLOCKS), attention=_C.Choice(*ATTENTIONS),
     loss_chunk=_C.Int(0, note='0: the whole logits'), recompute=_C.Choice(*RECOMPUTES),
-    optimizer=_C.Choice(*optim.OPTIMIZERS), ns_precision=_C.Choice('', *optim.NS_PRECISIONS),
-    optimizer_states=_C.Choice('', *optim.ROOT_STATES), weight_decay=_C.Float(0), beta1=_C.Float(0, 1, hi_open=True),
+    optimizer=_C.Choice(*muon.OPTIMIZERS), ns_precision=_C.Choice('', *newton_schulz.NS_PRECISIONS),
+    optimizer_states=_C.Choice('', *muon.ROOT_STATES), weight_decay=_C.Float(0), beta1=_C.Float(0, 1, hi_open=True),
     beta2=_C.Float(0, 1, hi_open=True), grad_clip=_C.Float(0, note='0: no clipping'),
     warmup_iters=_C.Int(-1, note='-1: 10% of lr_decay_iters'), lr_decay_iters=_C.Int(-1, note='-1 or 0: max_iters'),
     min_lr_frac=_C.Float(0, 1), device=_C.Text(r'cpu|cuda(:\d+)?', "'cpu', 'cuda' or 'cuda:N'"),
@@ -151,7 +155,7 @@ def check_config():
         raise configurator.ConfigError("recipe 'float8' is torchao's float8 training, and torchao is not "
                                        "installed: pip install torchao")
     try:  # ns_precision / optimizer_states against the optimizer, before any model is built
-        optim.build(torch.nn.Linear(16, 16), optimizer, ns=ns_precision or None, states=optimizer_states or None)
+        muon.build(torch.nn.Linear(16, 16), optimizer, ns=ns_precision or None, states=optimizer_states or None)
     except ValueError as e:
         raise configurator.ConfigError(f'optimizer={optimizer!r} with ns_precision={ns_precision!r} '
                                        f'optimizer_states={optimizer_states!r}: {e}')
@@ -204,10 +208,10 @@ def build_model(model_args):
     return apply_recipe(model, recipe)  # block linears -> FP4Linear (not for bf16)
 
 def build_optimizer(model):
-    """optim.build: AdamW, or Muon/ROOT on the 2-D hidden weights and AdamW on the rest. One
+    """muon.build: AdamW, or Muon/ROOT on the 2-D hidden weights and AdamW on the rest. One
     learning_rate and schedule for both: the Muon family's update is scaled to AdamW's RMS
-    (optim.update_scale 'rms', docs/fullstack.md, 'Muon and ROOT')."""
-    return optim.build(model, optimizer, lr=learning_rate, weight_decay=weight_decay, betas=(beta1, beta2),
+    (muon.update_scale 'rms', docs/fullstack.md, 'Muon and ROOT')."""
+    return muon.build(model, optimizer, lr=learning_rate, weight_decay=weight_decay, betas=(beta1, beta2),
                        ns=ns_precision or None, states=optimizer_states or None)
 
 @contextlib.contextmanager
@@ -503,7 +507,7 @@ def main(argv=None):
         log(f'warning: the run repeats its training data: {max_iters} steps read {epochs:.2f} epochs '
             f"of the {len(data['train']):,}-token train split")
     if recipe == 'fullstack' and lora_rank != -1 and (
-            warning := fp4.lora_schedule_warning(max_iters, lora_refit_interval, lora_refit_first)):
+            warning := lora.lora_schedule_warning(max_iters, lora_refit_interval, lora_refit_first)):
         log(f'warning: {warning}')
     if eval_split_tokens > 0:
         split_batches(len(data['val']), world)  # fail now, not after the run
@@ -554,9 +558,9 @@ def main(argv=None):
             for group in optimizer.param_groups:
                 group['lr'] = lr
             if (recipe == 'fullstack' and 'bf16_from' not in history  # BF16 linears use no L: no refit
-                    and fp4.lora_refit_due(iter_num, lora_refit_interval, lora_refit_first)):
+                    and lora.lora_refit_due(iter_num, lora_refit_interval, lora_refit_first)):
                 # L = the top-r part of W, fixed until the next refit (SPEC.md 8.4)
-                n_refit = fp4.refit_lora(raw_model, seed=iter_num)
+                n_refit = linear.refit_lora(raw_model, seed=iter_num)
                 log(f'step {iter_num}: LoRA-SVD refit of {n_refit} linears')
             t0 = time.time()
             loss, norm = train_step(train_model, optimizer, data, iter_num, accum, rank, ctx)

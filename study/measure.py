@@ -6,11 +6,11 @@ on a CPU, or on a GPU where there is one:
 $ python study/measure.py --sections ns --ns-sizes 30m --momentum out/mom30m_muon/ckpt.pt   # Newton-Schulz designs
 $ python study/measure.py --sections ns_uneven --ns-sizes 30m --momentum out/mom30m_muon/ckpt.pt   # uneven rows/columns
 $ python study/measure.py --sections states --states-lm 300    # the NVFP4 optimizer-state format (optim.py)
-$ python study/measure.py --sections root_states --root-lm 300  # the format of ROOT's momentum (optim.ROOT_STATES)
+$ python study/measure.py --sections root_states --root-lm 300  # the format of ROOT's momentum (muon.ROOT_STATES)
 $ python study/measure.py --sections lora_rank --ckpt out/ckpt.pt --backward   # the fullstack recipe's rank
 $ python study/measure.py --sections lora_rank --device=cuda --synthetic=2048x2048 --ranks=32,128 --calls=2  # a GPU check
 
-ns: Newton-Schulz in FP4 (optim.py, SPEC 8.2), the cosine to the exact polar factor per design, at
+ns: Newton-Schulz in FP4 (newton_schulz.py, SPEC 8.2), the cosine to the exact polar factor per design, at
 every 2-D block shape of --ns-sizes (its GPU time per optimizer step is bench.py --sections ns_time).
 ns_uneven: the same on inputs whose row or column norms spread up to 1000:1, and on momentum.
 states: candidate NVFP4 formats of AdamW's m and v (SPEC 8.1), single-shot and EMA errors and a
@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import bench_ops  # noqa: E402
 import fp4  # noqa: E402
+import linear  # noqa: E402
 from bench_ops import FP4_SPEEDUP, ns_shapes, print_table, print_table_row  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
@@ -206,7 +207,7 @@ def section_states(args):
 
 
 # ---------------------------------------------------------------------------------------------
-# root_states: the format of ROOT's momentum (optim.ROOT_STATES), decided by measurement
+# root_states: the format of ROOT's momentum (muon.ROOT_STATES), decided by measurement
 
 ROOT_STATE_COLS = ("shape", "noise", "optimizer", "state", "ns", "update_cos", "momentum_rel_err", "lm_val")
 ROOT_STATE_ROWS = [("fp32", "bf16"), ("bf16", "bf16"), ("nvfp4", "bf16"), ("nvfp4x2", "bf16"), ("fp32", "nvfp4"),
@@ -223,17 +224,18 @@ def momentum_replay(shape, noise, steps, seed=0, beta=0.95):
     (i^-1, unit Frobenius norm), N_t fresh Gaussian. Per (state, ns) of ROOT_STATE_ROWS: the mean
     over the second half of the steps of the update's cosine to the update of FP32 momentum with
     BF16 Newton-Schulz, and of the momentum's relative error."""
-    import optim
+    import muon
+    import newton_schulz
     gen = torch.Generator().manual_seed(seed)
     S = power_law_matrix(shape, 1.0, seed).float()
     S = S / S.norm()
-    abc = optim.ns_coefficients(shape, "root")
+    abc = newton_schulz.ns_coefficients(shape, "root")
 
     def update(buf, g, ns):  # ROOT._update from the step's FP32 momentum on
-        return optim.newton_schulz(optim.soft_threshold(g.lerp(buf, beta), 0.9), 5, abc, ns)
+        return newton_schulz.newton_schulz(muon.soft_threshold(g.lerp(buf, beta), 0.9), 5, abc, ns)
 
     exact = torch.zeros(shape)
-    held = {row: optim._momentum_state(torch.zeros(shape), row[0], 0) for row in ROOT_STATE_ROWS}
+    held = {row: muon._momentum_state(torch.zeros(shape), row[0], 0) for row in ROOT_STATE_ROWS}
     cos, err = {row: [] for row in ROOT_STATE_ROWS}, {row: [] for row in ROOT_STATE_ROWS}
     for t in range(steps):
         g = S + noise * torch.randn(shape, generator=gen) / math.sqrt(S.numel())
@@ -241,16 +243,16 @@ def momentum_replay(shape, noise, steps, seed=0, beta=0.95):
         measured = t >= steps // 2
         O_exact = update(exact, g, "bf16") if measured else None
         for row in ROOT_STATE_ROWS:
-            buf = optim._momentum_value(held[row]).lerp(g, 1 - beta)  # the step's: held m, updated in FP32
+            buf = muon._momentum_value(held[row]).lerp(g, 1 - beta)  # the step's: held m, updated in FP32
             if measured:
                 cos[row].append(_cos(update(buf, g, row[1]), O_exact))
                 err[row].append(float((buf - exact).norm() / exact.norm()))
-            held[row] = optim._momentum_state(buf, row[0], t * 65536 + 1)
+            held[row] = muon._momentum_state(buf, row[0], t * 65536 + 1)
     return {row: (sum(cos[row]) / len(cos[row]), sum(err[row]) / len(err[row])) for row in ROOT_STATE_ROWS}
 
 
 def lm_entry(entry):
-    """A --root-lm-rows entry -> (optim.build name, keywords). 'S/N': root with ROOT's momentum in
+    """A --root-lm-rows entry -> (muon.build name, keywords). 'S/N': root with ROOT's momentum in
     S and Newton-Schulz in N, the AdamW part FP32 (build(states=S) would put it in NVFP4 too);
     'name' or 'name:key=value:...': that optimizer as build() makes it, e.g. root_fp4, or
     root_fp4:ns=bf16:state=fp32 (its AdamW part alone in FP4)."""
@@ -265,7 +267,7 @@ def section_root_states(args):
     """Rows per (shape, gradient noise, momentum state, Newton-Schulz precision): momentum_replay's
     update cosine and momentum error; with --root-lm N also the tiny LM's val loss after N steps
     of the optimizers of --root-lm-rows (lm_entry) per seed of --root-lm-seeds."""
-    import optim
+    import muon
     rows = []
     for shape in [tuple(int(d) for d in s.split("x")) for s in args.root_shapes.split(",") if s]:
         for noise in (0.3, 3.0):
@@ -281,9 +283,9 @@ def section_root_states(args):
     seeds = [int(s) for s in args.root_lm_seeds.split(",")]
     for entry in [e for e in args.root_lm_rows.split(",") if e] if get else []:
         name, kw = lm_entry(entry)
-        preset = optim.build(torch.nn.Linear(16, 16), name, **kw).parts[0].defaults
+        preset = muon.build(torch.nn.Linear(16, 16), name, **kw).parts[0].defaults
         state, ns = preset.get("state"), preset.get("ns")
-        make = lambda net: optim.build(net, name, lr=3e-3, **kw)  # noqa: E731
+        make = lambda net: muon.build(net, name, lr=3e-3, **kw)  # noqa: E731
         val = [_tiny_lm_run(get, args.root_lm, s, 3e-3, make_opt=make)[2] for s in seeds]
         rows.append(dict(shape="tiny LM", noise=None, state=state, ns=ns, optimizer="root" if "/" in entry else entry,
                          lm_steps=args.root_lm, lm_val=[round(v, 4) for v in val]))
@@ -292,7 +294,7 @@ def section_root_states(args):
 
 
 # ---------------------------------------------------------------------------------------------
-# ns: Newton-Schulz in FP4 (optim.py, SPEC 8.2): quality per design at every 2-D block shape of the
+# ns: Newton-Schulz in FP4 (newton_schulz.py, SPEC 8.2): quality per design at every 2-D block shape of the
 # 30m and 1b models (runs on a CPU too)
 
 NS_PRECISIONS = [("fp32", "-"), ("bf16", "-")] + [("nvfp4", d) for d in ("naive", "residual", "bf16_tail", "compensated_tail")]
@@ -323,9 +325,9 @@ def momentum_matrices(path):
 
 def ns_quality(G, P, abc, precision, design):
     """cosine of newton_schulz(G) to the exact polar factor P, its singular values, GEMM FLOP shares."""
-    import optim
+    import newton_schulz
     stats = {}
-    X = optim.newton_schulz(G, 5, abc, precision, design if design != "-" else "compensated_tail", stats).double()
+    X = newton_schulz.newton_schulz(G, 5, abc, precision, design if design != "-" else "compensated_tail", stats).double()
     small = X if X.shape[0] <= X.shape[1] else X.T
     s = torch.linalg.eigvalsh(small @ small.T).clamp(min=0).sqrt()  # singular values; faster than svdvals
     total = sum(stats.values())
@@ -341,17 +343,17 @@ def _ns_sources(shape, momenta):
     Gaussian matrix (Marchenko-Pastur spectrum: flat, no dominant direction, the hard case), and
     each run's momentum as Muon sees it (raw, Muon's coefficients) and as ROOT does
     (soft-thresholded, ROOT's coefficients)."""
-    import optim
+    import muon
     yield "power1", power_law_matrix(shape, 1.0), "root"
     yield "gauss", torch.randn(*shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64), "root"
     for tag, mats in momenta.items():
         if shape in mats:
             yield f"{tag}", mats[shape], "muon"
-            yield f"{tag}+soft", optim.soft_threshold(mats[shape], 0.9), "root"
+            yield f"{tag}+soft", muon.soft_threshold(mats[shape], 0.9), "root"
 
 
 def section_ns(args):
-    import optim
+    import newton_schulz
     device = "cuda" if torch.cuda.is_available() else "cpu"
     momenta = {os.path.basename(os.path.dirname(p)) or p: momentum_matrices(p) for p in args.momentum}
     rows = []
@@ -361,14 +363,14 @@ def section_ns(args):
                 G = G.to(device)
                 u, _, vh = torch.linalg.svd(G.double(), full_matrices=False)
                 P = u @ vh  # the exact polar factor U V^T
-                abc = optim.ns_coefficients(shape, coef)
+                abc = newton_schulz.ns_coefficients(shape, coef)
                 base = None
                 for precision, design in NS_PRECISIONS:
                     t = time.time()
                     r = ns_quality(G, P, abc, precision, design)
                     base = base or r
                     rows.append(dict(size=size, matrix=name, shape=f"{shape[0]}x{shape[1]}", source=source,
-                                     coef="muon" if abc == optim.MUON_COEFFICIENTS else "root",
+                                     coef="muon" if abc == newton_schulz.MUON_COEFFICIENTS else "root",
                                      precision=precision, design=design, **{k: v for k, v in r.items() if not k.startswith("_")},
                                      d_cos_vs_bf16=None, cost_vs_bf16=round(r["_cost"] / base["_cost"], 3), s=round(time.time() - t, 1)))
                     print_table_row(rows[-1], NS_COLS)
@@ -401,7 +403,7 @@ def _uneven_sources(shape, spreads, seeds, momenta):
     """(name, matrix) per input: norms log-uniform over spread:1 (both ends drawn) along rows or
     columns, a few (5%) rows or columns 1000x the rest, and each run's momentum (raw and
     soft-thresholded, as ROOT sees it)."""
-    import optim
+    import muon
     for axis, where in ((0, "rows"), (1, "cols")):
         n = shape[axis]
         for spread in spreads:
@@ -415,7 +417,7 @@ def _uneven_sources(shape, spreads, seeds, momenta):
     for tag, mats in momenta.items():
         if shape in mats:
             yield tag, mats[shape].double()
-            yield f"{tag}+soft", optim.soft_threshold(mats[shape], 0.9).double()
+            yield f"{tag}+soft", muon.soft_threshold(mats[shape], 0.9).double()
 
 
 def _norm_spread(G, dim):
@@ -428,14 +430,14 @@ def section_ns_uneven(args):
     FP32's, the largest singular value, the GEMM FLOP share in NVFP4, the projected Blackwell GEMM
     cost against BF16 (from FLOPs, FP4_SPEEDUP), and the seconds this machine took (CPU: the FP4
     GEMMs emulated in FP32, so these seconds say nothing of a GPU)."""
-    import optim
+    import newton_schulz
     momenta = {os.path.basename(os.path.dirname(p)) or p: momentum_matrices(p) for p in args.momentum}
     spreads = [float(v) for v in args.uneven_spreads.split(",")]
     seeds = [int(v) for v in args.uneven_seeds.split(",")]
     rows = []
     for size in args.ns_sizes.split(","):
         for name, shape in ns_shapes(size).items():
-            abc = optim.ns_coefficients(shape, "muon")
+            abc = newton_schulz.ns_coefficients(shape, "muon")
             for source, G in _uneven_sources(shape, spreads, seeds, momenta):
                 u, _, vh = torch.linalg.svd(G, full_matrices=False)
                 G, P = G.float(), u @ vh
@@ -478,9 +480,9 @@ NS_UNEVEN_COLS = ["matrix", "shape", "source", "row_spread", "col_spread", "prec
 def layer(w, recipe, rank):
     """An FP4Linear holding w under recipe (fullstack: with lora_rank = rank, L fitted)."""
     n, k = w.shape
-    lin = fp4.FP4Linear(k, n, recipe=recipe, device=w.device, **({"lora_rank": rank} if recipe == "fullstack" else {}))
+    lin = linear.FP4Linear(k, n, recipe=recipe, device=w.device, **({"lora_rank": rank} if recipe == "fullstack" else {}))
     lin.weight.data.copy_(w)
-    fp4.refit_lora(lin)
+    linear.refit_lora(lin)
     return lin
 
 
@@ -651,21 +653,21 @@ _NVFP4_DGRAD = dict(dgrad_e=dict(rounding="sr"), dgrad_w=dict(rounding="rn", sca
 _NVFP4_WGRAD = dict(wgrad_e=dict(rounding="sr", hadamard=16), wgrad_x=dict(rounding="rn", hadamard=16))
 BACKWARDS = {  # nvfp4's dgrad reuses 16x16 weight tiles; R is four_over_six 1x16, so it is re-quantized RN
     "nvfp4 (E: SR; wgrad RHT-16)": {**_NVFP4_DGRAD, **_NVFP4_WGRAD},
-    "quartet2 (RHT-128 + MS-EDEN)": dict(dgrad_e=fp4._EDEN, dgrad_w=fp4._EDEN, wgrad_e=fp4._EDEN, wgrad_x=fp4._EDEN),
-    "nvfp4 dgrad, MS-EDEN wgrad": dict(**_NVFP4_DGRAD, wgrad_e=fp4._EDEN, wgrad_x=fp4._EDEN),
-    "MS-EDEN dgrad, nvfp4 wgrad": dict(dgrad_e=fp4._EDEN, dgrad_w=fp4._EDEN, **_NVFP4_WGRAD),
+    "quartet2 (RHT-128 + MS-EDEN)": dict(dgrad_e=linear._EDEN, dgrad_w=linear._EDEN, wgrad_e=linear._EDEN, wgrad_x=linear._EDEN),
+    "nvfp4 dgrad, MS-EDEN wgrad": dict(**_NVFP4_DGRAD, wgrad_e=linear._EDEN, wgrad_x=linear._EDEN),
+    "MS-EDEN dgrad, nvfp4 wgrad": dict(dgrad_e=linear._EDEN, dgrad_w=linear._EDEN, **_NVFP4_WGRAD),
 }
 
 
 @contextmanager
 def fullstack_backward(change):
     """RECIPES['fullstack'] with some backward operands' treatment replaced, for the duration."""
-    saved = fp4.RECIPES["fullstack"]
-    fp4.RECIPES["fullstack"] = {**saved, **change}
+    saved = linear.RECIPES["fullstack"]
+    linear.RECIPES["fullstack"] = {**saved, **change}
     try:
         yield
     finally:
-        fp4.RECIPES["fullstack"] = saved
+        linear.RECIPES["fullstack"] = saved
 
 
 def compare_backwards(cases, rank, calls):
@@ -725,7 +727,7 @@ def parse(argv=None):
     ap.add_argument("--root-lm", type=int, default=0, help="root_states: also train the tiny LM this many steps per format and seed")
     ap.add_argument("--root-lm-seeds", default="0,1", help="root_states: the tiny LM's seeds")
     ap.add_argument("--root-lm-rows", default=",".join(f"{a}/{b}" for a, b in ROOT_STATE_ROWS),
-                    help="root_states: the tiny LM's rows: state/ns pairs (ROOT's momentum alone) or optim.build "
+                    help="root_states: the tiny LM's rows: state/ns pairs (ROOT's momentum alone) or muon.build "
                          "names, with keywords as name:key=value (root_fp4:ns=bf16:state=fp32: its AdamW part alone in FP4)")
     ap.add_argument("--ckpt", default=None, help="lora_rank: a train.py checkpoint: measure its block linears too")
     ap.add_argument("--ranks", default="8,16,32,64,128", help="lora_rank: comma list of ranks")

@@ -131,7 +131,7 @@ def test_held_lora_rows_tell_a_stale_L_from_a_refit(tmp_path):
     the L it holds leaves more of W outside it than a refit does (Eckart-Young), and cuts the
     output error by less. With the checkpoint's L replaced by the refit measure.layer makes (the
     same randomized SVD, the same seed), "as held" is that refit exactly."""
-    import fp4
+    import lora
     import train
     from test_train import write_corpus
     write_corpus(str(tmp_path))
@@ -149,7 +149,7 @@ def test_held_lora_rows_tell_a_stale_L_from_a_refit(tmp_path):
     for w, _, _ in layers:  # the refit measure.layer would make, written into the checkpoint
         name = next(k[:-len(".weight")] for k, v in ckpt["model"].items() if k.endswith(".weight") and v is not None
                     and v.shape == w.shape and torch.equal(v.float(), w))
-        u, s, v = fp4.randomized_svd(w, ckpt["model"][name + ".lora_us"].shape[1], seed=0)
+        u, s, v = lora.randomized_svd(w, ckpt["model"][name + ".lora_us"].shape[1], seed=0)
         ckpt["model"][name + ".lora_us"].copy_(u * s)
         ckpt["model"][name + ".lora_v"].copy_(v)
     torch.save(ckpt, path)
@@ -188,7 +188,7 @@ def test_main_writes_meta_and_rows(tmp_path):
 # root_states
 
 def test_momentum_replay_tells_the_formats_apart():
-    """What optim.ROOT_STATES rests on, at a small shape (128x256, 40 steps, noise 3; seed 0).
+    """What muon.ROOT_STATES rests on, at a small shape (128x256, 40 steps, noise 3; seed 0).
     One NVFP4 term: each step adds NVFP4's ~10% relative error, the EMA keeps ~1/(1 - beta^2) = 10
     steps of it, so |m - exact| ~ 0.1 sqrt(10) = 0.32 |m| (measured 0.34); Newton-Schulz lifts that
     noise's directions to singular values ~1 (update cosine measured 0.87). Two terms: ~1% a step,

@@ -22,8 +22,8 @@ from model import GPT, config_for, fp4_switch_step
 from test_train import write_corpus
 
 try:
-    import fp4
-    HAVE_FP4 = hasattr(fp4, 'to_fp4')
+    import linear
+    HAVE_FP4 = hasattr(linear, 'to_fp4')
 except ImportError:
     HAVE_FP4 = False
 
@@ -369,7 +369,7 @@ def test_same_init_and_batches_across_recipes(tmp_path, monkeypatch):
     x, y, z = batches.values()
     assert torch.equal(x, y) and not torch.equal(x, z)
 
-@pytest.mark.skipif(not HAVE_FP4, reason='fp4.to_fp4 not available')
+@pytest.mark.skipif(not HAVE_FP4, reason='linear.to_fp4 not available')
 def test_study_end_to_end(tmp_path):
     """bf16 and nvfp4 (the cheapest FP4 recipe on a CPU) x 2 seeds in-process on a 2K-token corpus: records with curves and
     eval standard errors; train.py warns about the repeated data; the report's table, PNG."""
