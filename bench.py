@@ -17,7 +17,8 @@ import os
 import torch
 
 import bench_step
-from bench_ops import CPU_SECTIONS, ON_REQUEST, SECTIONS, gpu_slug, run_meta, save_rows
+from bench_io import gpu_slug, run_meta, save_rows
+from bench_ops import CPU_SECTIONS, ON_REQUEST, SECTIONS
 from train import COMPILE_MODES
 
 

@@ -1,5 +1,5 @@
 """bench_ops.py: bench.py's per-operation sections (kernels, linear, gemm, attention, optim, accum,
-fusion, ns_time, profile, overhead), and the timer, tables and result files every section shares.
+fusion, ns_time, profile, overhead); the timer, tables and result files they share are bench_io.py's.
 
 Each section is one function that returns rows (dicts); every row is printed in a table and the
 section's rows are written to results/<gpu-name-slug>/bench_<section>.json. Times are medians of
@@ -7,11 +7,7 @@ CUDA-event timings after warm-up. Bandwidth counts the bytes a kernel must read 
 The whole-model sections (step, saved, step_profile, fsdp) are in bench_step.py; bench.py is the
 command line; the accuracy measurements that chose numerical designs are in study/measure.py.
 """
-import json
 import os
-import platform
-import re
-import statistics
 import time
 
 import torch
@@ -20,49 +16,11 @@ import fp4
 import cuda_kernels as kernels
 import gemm
 import linear
-from runlog import git_state
-
-
-def bench(fn, warmup=3, reps=20):
-    """Median milliseconds of fn() on the current stream, timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from bench_io import bench, print_table
 
 
 class SkipVariant(Exception):
     """A row that cannot run on this machine (an optional package missing): its row says why."""
-
-
-def print_table(rows, cols):
-    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
-    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
-    for r in rows:
-        print("  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(cols, widths)))
-
-
-def print_table_row(row, cols):
-    print("  ".join(_fmt(row.get(c)) for c in cols), flush=True)
-
-
-def _fmt(v):
-    if isinstance(v, float):
-        return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
-    return "" if v is None else str(v)
-
-
-def gpu_slug():
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -783,35 +741,3 @@ SECTIONS = {"overhead": section_overhead, "profile": section_profile, "kernels":
             "optim": section_optim, "fusion": section_fusion}  # and bench_step.py's: all_sections()
 CPU_SECTIONS = {"saved"}  # sections that also run without a GPU (bench_step.py's saved)
 ON_REQUEST = {"step_profile"}  # not in the default sections (a diagnosis, not a comparison)
-
-
-
-
-def run_meta():
-    """What a result file records of the run: the device, versions, backends, commit, switches, time."""
-    return dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
-                backends=fp4.backends(), code=code_version(), env=switches(), time=time.strftime("%Y-%m-%d %H:%M:%S"))
-
-
-def code_version():
-    """The commit measured (runlog.git_state: FP4_GIT_COMMIT where the tree's .git is not its own)."""
-    commit, dirty = git_state()
-    return dict(commit=commit, dirty=dirty)
-
-
-SWITCHES = ("FP4_NS_GRAPH", "FP4_KERNELS", "FP4_BACKEND", "FP4_FAST_ACCUM_BITS", "FP4_MX_ROWS", "FP4_NV128_ROWS", "FP4_NV128_COLS",
-            "FP4_ATTENTION", "FP4_ATTENTION_OPERANDS", "FP4_ATTENTION_BWD", "FP4_ADAMW_FUSED", "FP4_NV_AMAX",
-            "FP4_NV_GEMM")
-
-
-def switches():
-    """The environment switches that change which code path runs (fp4, attention, optim), as set."""
-    return {k: os.environ[k] for k in SWITCHES if k in os.environ}
-
-
-def save_rows(args, name, rows, path=None):
-    """results/<gpu>/bench_<name>.json (or path): the run's meta and the section's rows."""
-    args.meta["kernel_compiler"] = dict(kernels.COMPILER)
-    with open(path or os.path.join(args.out_dir, f"bench_{name}.json"), "w") as f:
-        json.dump(dict(meta=args.meta, rows=rows), f, indent=1)
-

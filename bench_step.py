@@ -18,7 +18,8 @@ import traceback
 import torch
 
 import linear
-from bench_ops import FP8RowwiseLinear, SkipVariant, bench, print_table, save_rows
+from bench_io import bench, print_table, save_rows
+from bench_ops import FP8RowwiseLinear, SkipVariant
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,11 +4,9 @@ Pretraining with FP4 linear layers, nanoGPT-style: config globals, then one loop
 $ python train.py                          # prepares data/pycode if needed, trains a small model
 $ python train.py --recipe=nvfp4 --max_iters=500
 $ python train.py config/quartet_30m.py --resume=True
-$ torchrun --standalone --nproc_per_node=8 train.py config/quartet_30m.py
 $ torchrun --standalone --nproc_per_node=8 train.py config/llama_1b.py --fsdp=True  # sharded
 
-Recipes (SPEC.md 5): bf16 (baseline), quartet (MXFP4), nvfp4 (NVIDIA), quartet2 (Quartet II),
-fullstack (NVFP4 four-over-six + a BF16 LoRA-SVD part, SPEC.md 8.4).
+Recipes (SPEC.md 5): bf16, quartet (MXFP4), nvfp4, quartet2, fullstack (+ LoRA-SVD, SPEC.md 8.4).
 Writes to out_dir: train.log (config, versions, GPU, every step), ckpt.pt, loss.png, summary.json.
 """
 

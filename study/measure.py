@@ -17,7 +17,7 @@ states: candidate NVFP4 formats of AdamW's m and v (SPEC 8.1), single-shot and E
 regression's loss. root_states: ROOT's momentum held in FP32, BF16, one or two NVFP4 terms, its
 recursion replayed on a synthetic gradient stream (and the tiny LM trained). lora_rank: how much the BF16 rank-r part (LoRA-SVD, SPEC 8.4) cuts a linear
 layer's FP4 error, by rank. Each section returns rows (dicts), printed as they come; they are
-written with the run's meta (bench_ops.run_meta, the option values under "args") to
+written with the run's meta (bench_io.run_meta, the option values under "args") to
 results/<gpu-name-slug>/ (--out: another folder, or with one section a .json file name) as
 bench_ns.json, bench_states.json, measure_root_states.json and lora_rank.json.
 """
@@ -33,10 +33,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as `python study/measure.py`
 
-import bench_ops  # noqa: E402
+import bench_io  # noqa: E402
 import fp4  # noqa: E402
 import linear  # noqa: E402
-from bench_ops import FP4_SPEEDUP, ns_shapes, print_table, print_table_row  # noqa: E402
+from bench_io import print_table, print_table_row  # noqa: E402
+from bench_ops import FP4_SPEEDUP, ns_shapes  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # states: the NVFP4 optimizer-state format, decided by measurement (SPEC 8.1; runs on a CPU)
@@ -752,18 +753,18 @@ def out_path(args, name):
     --out folder (default results/<gpu-name-slug>)."""
     if args.out and args.out.endswith(".json"):
         return args.out
-    return os.path.join(args.out or os.path.join("results", bench_ops.gpu_slug()), FILES[name])
+    return os.path.join(args.out or os.path.join("results", bench_io.gpu_slug()), FILES[name])
 
 
 def main(argv=None):
     args = parse(argv)
-    args.meta = dict(bench_ops.run_meta(), args=dict(vars(args)))
+    args.meta = dict(bench_io.run_meta(), args=dict(vars(args)))
     for name in args.sections:
         print(f"\n== {name} ==")
         rows = SECTIONS[name](args)
         path = out_path(args, name)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        bench_ops.save_rows(args, name, rows, path)
+        bench_io.save_rows(args, name, rows, path)
 
 
 if __name__ == "__main__":

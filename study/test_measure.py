@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import bench_io
 import bench_ops
 import measure
 
@@ -166,7 +167,7 @@ def test_out_path_keeps_the_result_file_names():
     """results/<gpu>/bench_ns.json, bench_states.json as bench.py wrote them; --out a folder or,
     for one section, the .json file itself (as lora_rank.py's --out was)."""
     args = measure.parse(["--sections", "ns,states,lora_rank"])
-    assert measure.out_path(args, "ns") == os.path.join("results", bench_ops.gpu_slug(), "bench_ns.json")
+    assert measure.out_path(args, "ns") == os.path.join("results", bench_io.gpu_slug(), "bench_ns.json")
     assert measure.out_path(measure.parse(["--sections", "states", "--out", "d"]), "states") == os.path.join(
         "d", "bench_states.json")
     assert measure.out_path(measure.parse(["--sections", "lora_rank", "--out", "d/x.json"]), "lora_rank") == "d/x.json"
