@@ -53,9 +53,10 @@ FLIP_ATOL = 1e-2
 
 
 def base_args(corpus, out_dir, *args):
+    """train.py's flags for a tiny run; no closing sample (generation the checks here do not read)."""
     return [f'--data_dir={corpus}', f'--out_dir={out_dir}', '--model_size=tiny', '--block_size=32',
             '--batch_size=8', '--eval_iters=1', '--learning_rate=0.01', '--device=cpu',
-            '--dtype=float32', '--compile=False', *args]
+            '--dtype=float32', '--compile=False', '--sample_tokens=0', *args]
 
 
 # -----------------------------------------------------------------------------
