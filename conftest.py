@@ -18,6 +18,14 @@ settings.register_profile("ci", deadline=None, derandomize=True, print_blob=True
 settings.register_profile("fuzz", deadline=None, derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# Under xdist (pytest.ini: -n 2 on CI's 2 cores) one OpenMP thread a worker, and for the train.py
+# and torchrun processes the tests start: with two threads each, more threads than cores wait in
+# OpenMP's barriers (a tiny run's step 7x slower in test_fsdp; the suite, on 2 cores shared with
+# other jobs, 800 tests in 47 min against 10 min with one thread).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
 SESSION_FLAGS = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
 
 

@@ -1,11 +1,13 @@
 """
 Export a train.py checkpoint as a Hugging Face LlamaForCausalLM folder.
 
-$ python export_hf.py out/ckpt.pt out/hf                 # the FP32 master weights
+$ python export_hf.py out/ckpt.pt out/hf                 # the master weights, in BF16
+$ python export_hf.py out/ckpt.pt out/hf --dtype float32 # the same, in FP32 (as trained)
 $ python export_hf.py out/ckpt.pt out/hf --fp4-weights   # what the FP4 forward multiplied by
 $ python export_hf.py out/ckpt.pt out/hf --fp4-packed    # that, packed (nvfp4, quartet2)
 
-Writes config.json, generation_config.json, model.safetensors (FP32) and, for a tiktoken
+Writes config.json, generation_config.json, model.safetensors (BF16, as a Hugging Face
+Llama ships, or FP32 with --dtype float32) and, for a tiktoken
 corpus such as cl100k_base, tokenizer.json + tokenizer_config.json, so that
 AutoTokenizer.from_pretrained and LlamaForCausalLM.from_pretrained load the folder.
 Prompts should start with <|endoftext|>, as every training document did.
@@ -52,8 +54,9 @@ from model import fp4_blocks
 # -----------------------------------------------------------------------------
 # config.json
 
-def hf_config(args, meta):
-    """LlamaForCausalLM's config for model.py's GPTConfig fields (the checkpoint's model_args)."""
+def hf_config(args, meta, dtype):
+    """LlamaForCausalLM's config for model.py's GPTConfig fields (the checkpoint's model_args);
+    dtype: the weights' ('bfloat16' or 'float32')."""
     eot = meta.get('eot_token')
     theta = float(args['rope_theta'])
     return dict(
@@ -66,7 +69,7 @@ def hf_config(args, meta):
         rope_theta=theta,  # transformers < 5 reads this, 5 reads rope_parameters
         rope_parameters=dict(rope_type='default', rope_theta=theta),
         attention_bias=False, mlp_bias=False, attention_dropout=0.0, tie_word_embeddings=False,
-        bos_token_id=eot, eos_token_id=eot, torch_dtype='float32', use_cache=True,
+        bos_token_id=eot, eos_token_id=eot, torch_dtype=dtype, use_cache=True,
         initializer_range=0.02, pretraining_tp=1)
 
 # -----------------------------------------------------------------------------
@@ -303,8 +306,11 @@ def write_tokenizer(meta, out_dir, max_len, model_vocab=None):
 # -----------------------------------------------------------------------------
 # the export
 
-def export(ckpt_path, out_dir, fp4_weights=False, fp4_packed=False):
-    """Write the HF folder; returns the list of lines to print."""
+DTYPES = {'bfloat16': torch.bfloat16, 'float32': torch.float32}
+
+def export(ckpt_path, out_dir, fp4_weights=False, fp4_packed=False, dtype='bfloat16'):
+    """Write the HF folder, its weights in dtype (the packed tensors keep their own); returns
+    the list of lines to print."""
     from safetensors.torch import save_file
     try:
         ckpt = checkpoint.read(ckpt_path)
@@ -316,15 +322,14 @@ def export(ckpt_path, out_dir, fp4_weights=False, fp4_packed=False):
     args, meta = ckpt['model_args'], checkpoint.meta_of(ckpt)
     tensors = hf_tensors(ckpt['model'], args, recipe, weights, ckpt_path)
     os.makedirs(out_dir, exist_ok=True)
-    config = hf_config(args, meta)
-    if fp4_packed:  # served in BF16: the rest in BF16 too (the packed tensors keep their dtypes)
-        tensors = {k: t.bfloat16() if k.endswith('.weight') else t for k, t in tensors.items()}
-        config['torch_dtype'] = 'bfloat16'
+    config = hf_config(args, meta, dtype)
+    # the weights in dtype; packed: the codes, scales and global scales keep their own dtypes
+    tensors = {k: t.to(DTYPES[dtype]) if k.endswith('.weight') else t for k, t in tensors.items()}
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:
         json.dump(config, f, indent=1)
     with open(os.path.join(out_dir, 'generation_config.json'), 'w') as f:
         json.dump(dict(bos_token_id=config['bos_token_id'], eos_token_id=config['eos_token_id']), f)
-    which = dict(master='the FP32 master weights', fp4=f'the FP4 forward weights of recipe {recipe}',
+    which = dict(master=f'the master weights in {dtype}', fp4=f'the FP4 forward weights of recipe {recipe} in {dtype}',
                  packed=f'the FP4 forward weights of recipe {recipe}, packed ({PACKED_FORMAT})')[weights]
     save_file(tensors, os.path.join(out_dir, 'model.safetensors'),
               metadata=dict(format='pt', source=os.path.abspath(ckpt_path), recipe=recipe,
@@ -361,10 +366,16 @@ def main(argv=None):
                         help="export the FP4 forward's dequantized weights instead of the masters")
     parser.add_argument('--fp4-packed', action='store_true',
                         help=f"export the FP4 forward's weights packed ({PACKED_FORMAT}, compressed-tensors)")
+    parser.add_argument('--dtype', choices=list(DTYPES), default='bfloat16',
+                        help='the dense weights\' dtype (default bfloat16, as HF Llama ships; float32: '
+                             'as trained, the FP4 forward weights unrounded)')
     a = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if a.fp4_weights and a.fp4_packed:
         parser.error('--fp4-weights and --fp4-packed are two exports: choose one')
-    for line in export(a.ckpt, a.out_dir, a.fp4_weights, a.fp4_packed):
+    if a.fp4_packed and a.dtype != 'bfloat16':  # compressed-tensors decompresses to BF16
+        parser.error('--fp4-packed writes the other weights in bfloat16, the dtype its packed '
+                     'linears decompress to: leave out --dtype')
+    for line in export(a.ckpt, a.out_dir, a.fp4_weights, a.fp4_packed, a.dtype):
         print(line)
 
 if __name__ == '__main__':

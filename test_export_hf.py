@@ -1,6 +1,7 @@
 """
 Tests for export_hf.py: the exported folder loads in transformers and computes what model.py
-computes. CPU, FP32, tiny models (needs transformers and safetensors).
+computes. CPU, tiny models (needs transformers and safetensors); the comparisons with model.py
+export with --dtype float32, the default BF16 export is checked against that one.
 
 $ python -m pytest test_export_hf.py -q
 """
@@ -43,12 +44,30 @@ def load_hf(path):
 def rel_err(a, b):
     return ((a - b).abs().max() / a.abs().max()).item()
 
+FP32 = ['--dtype', 'float32']
+
 @pytest.fixture(scope='module')
 def exported(tmp_path_factory):
     d = tmp_path_factory.mktemp('export')
     m, _ = checkpoint(d / 'ckpt.pt')
-    export_hf.main([str(d / 'ckpt.pt'), str(d / 'hf')])
+    export_hf.main([str(d / 'ckpt.pt'), str(d / 'hf'), *FP32])
     return m, load_hf(d / 'hf'), d
+
+def test_default_export_is_the_fp32_one_in_bf16(exported):
+    """Without --dtype the folder is what a Hugging Face Llama ships: every tensor BF16, each the
+    FP32 export's rounded to BF16 bit for bit, config.json's torch_dtype bfloat16, and
+    transformers loads it in BF16 by default."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    _, _, d = exported
+    export_hf.main([str(d / 'ckpt.pt'), str(d / 'hf16')])
+    fp32, bf16 = load_file(d / 'hf' / 'model.safetensors'), load_file(d / 'hf16' / 'model.safetensors')
+    assert fp32.keys() == bf16.keys() and all(t.dtype == torch.float32 for t in fp32.values())
+    for k, t in bf16.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t.view(torch.int16), fp32[k].bfloat16().view(torch.int16)), k
+    assert json.loads((d / 'hf16' / 'config.json').read_text())['torch_dtype'] == 'bfloat16'
+    assert json.loads((d / 'hf' / 'config.json').read_text())['torch_dtype'] == 'float32'
+    assert AutoModelForCausalLM.from_pretrained(d / 'hf16').dtype == torch.bfloat16
 
 def test_logits_match_model_py(exported):
     m, hf, d = exported
@@ -103,7 +122,7 @@ def test_export_fp4_weights(tmp_path):
     weights (the first and last block stay BF16 in that recipe), and the HF model computes
     what model.py computes with those weights put in."""
     m, ckpt = checkpoint(tmp_path / 'ckpt.pt', recipe='nvfp4', n_layer=4)
-    export_hf.main([str(tmp_path / 'ckpt.pt'), str(tmp_path / 'hf'), '--fp4-weights'])
+    export_hf.main([str(tmp_path / 'ckpt.pt'), str(tmp_path / 'hf'), '--fp4-weights', *FP32])
     hf = load_hf(tmp_path / 'hf')
     for i, block in enumerate(m.transformer.h):
         for lin in (block.attn.qkv, block.attn.o, block.mlp.gate_up, block.mlp.down):
@@ -123,7 +142,7 @@ def test_export_fp4_weights_follows_end_blocks(tmp_path):
     so --fp4-weights exports their masters and the FP4 weights of the others only."""
     m, ckpt = checkpoint(tmp_path / 'ckpt.pt', recipe='quartet', n_layer=4, end_blocks='bf16')
     assert ckpt['model_args']['end_blocks'] == 'bf16'
-    export_hf.main([str(tmp_path / 'ckpt.pt'), str(tmp_path / 'hf'), '--fp4-weights'])
+    export_hf.main([str(tmp_path / 'ckpt.pt'), str(tmp_path / 'hf'), '--fp4-weights', *FP32])
     hf = load_hf(tmp_path / 'hf')
     for i in range(4):
         w = m.transformer.h[i].mlp.down.weight.detach()
@@ -167,7 +186,7 @@ def test_export_fullstack_checkpoint(tmp_path, fp4_weights):
                 meta=dict(encoding='synthetic', vocab_size=300, eot_token=0))
     assert 'transformer.h.1.attn.qkv.lora_us' in ckpt['model']
     torch.save(ckpt, tmp_path / 'ckpt.pt')
-    export_hf.main([str(tmp_path / 'ckpt.pt'), str(tmp_path / 'hf'), *(['--fp4-weights'] if fp4_weights else [])])
+    export_hf.main([str(tmp_path / 'ckpt.pt'), str(tmp_path / 'hf'), *(['--fp4-weights'] if fp4_weights else []), *FP32])
     hf = load_hf(tmp_path / 'hf')
     for i in (0, 2):
         lin = m.transformer.h[i].mlp.down
@@ -284,7 +303,7 @@ def test_export_fp4_packed(tmp_path, recipe):
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
     checkpoint(tmp_path / 'ckpt.pt', recipe=recipe, n_layer=4)
     export_hf.main([str(tmp_path / 'ckpt.pt'), str(tmp_path / 'packed'), '--fp4-packed'])
-    export_hf.main([str(tmp_path / 'ckpt.pt'), str(tmp_path / 'deq'), '--fp4-weights'])
+    export_hf.main([str(tmp_path / 'ckpt.pt'), str(tmp_path / 'deq'), '--fp4-weights', *FP32])
     qc = json.loads((tmp_path / 'packed' / 'config.json').read_text())['quantization_config']
     bf16_blocks = [0, 3] if recipe == 'nvfp4' else []
     assert qc['format'] == 'nvfp4-pack-quantized' and qc['quant_method'] == 'compressed-tensors'
@@ -354,6 +373,14 @@ def test_bad_checkpoints(tmp_path):
             export_hf.main([str(tmp_path / f'{i}.pt'), str(tmp_path / f'hf{i}'), *flags])
     with pytest.raises(SystemExit, match='not found'):
         export_hf.main([str(tmp_path / 'none.pt'), str(tmp_path / 'hf')])
+
+def test_packed_refuses_fp32(tmp_path, capsys):
+    """--fp4-packed's other weights are BF16, what its packed linears decompress to: --dtype
+    float32 with it is a usage error, before any checkpoint is read."""
+    with pytest.raises(SystemExit) as e:
+        export_hf.main([str(tmp_path / 'none.pt'), str(tmp_path / 'hf'), '--fp4-packed', '--dtype', 'float32'])
+    assert e.value.code == 2 and 'leave out --dtype' in capsys.readouterr().err
+    assert not (tmp_path / 'hf').exists()
 
 def test_cl100k_tokenizer_loads_in_transformers(tmp_path):
     """tokenizer.json from tiktoken's cl100k_base: the same ids as tiktoken on Python source

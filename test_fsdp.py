@@ -54,9 +54,10 @@ FLIP_ATOL = 1e-2
 
 
 def base_args(corpus, out_dir, *args):
+    """train.py's flags for a tiny run; no closing sample (generation the checks here do not read)."""
     return [f'--data_dir={corpus}', f'--out_dir={out_dir}', '--model_size=tiny', '--block_size=32',
             '--batch_size=8', '--eval_iters=1', '--learning_rate=0.01', '--device=cpu',
-            '--dtype=float32', '--compile=False', *args]
+            '--dtype=float32', '--compile=False', '--sample_tokens=0', *args]
 
 
 # -----------------------------------------------------------------------------
@@ -544,8 +545,8 @@ def test_sharded_checkpoint_read_by_sample_and_export(runs, tmp_path):
     assert got['model'].keys() == one['model'].keys() and got['model']['lm_head.weight'].shape == (256, 128)
     assert all(torch.equal(got['model'][k], v) for k, v in one['model'].items())
     assert len(sample.main([f'--out_dir={out_dir}', '--num_samples=1', '--max_new_tokens=8', '--device=cpu'])) == 1
-    export_hf.export(path, tmp_path / 'hf_dcp')
-    export_hf.export(str(tmp_path / 'one.pt'), tmp_path / 'hf_one')
+    export_hf.export(path, tmp_path / 'hf_dcp', dtype='float32')  # FP32: the weights unrounded
+    export_hf.export(str(tmp_path / 'one.pt'), tmp_path / 'hf_one', dtype='float32')
     a, b = load_file(tmp_path / 'hf_dcp' / 'model.safetensors'), load_file(tmp_path / 'hf_one' / 'model.safetensors')
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

@@ -265,9 +265,11 @@ def corpus(tmp_path_factory):
     return str(path)
 
 def run(corpus, out_dir, *args):
+    """train.main on the tiny model. No closing sample unless args ask for one: 100 tokens of
+    generation cost more than a short run's training (14 s of 19 for a 1-step fullstack run)."""
     argv = [f'--data_dir={corpus}', f'--out_dir={out_dir}', '--model_size=tiny', '--block_size=32',
             '--batch_size=8', '--eval_iters=2', '--learning_rate=0.01', '--device=cpu',
-            '--dtype=float32', '--compile=False', *args]
+            '--dtype=float32', '--compile=False', '--sample_tokens=0', *args]
     return train.main(argv)
 
 @pytest.mark.parametrize('recipe', [
@@ -278,7 +280,7 @@ def run(corpus, out_dir, *args):
     pytest.param('float8', marks=needs_torchao),
 ])
 def test_loss_decreases(corpus, tmp_path, recipe):
-    s = run(corpus, tmp_path, f'--recipe={recipe}', '--max_iters=15', '--eval_interval=15')
+    s = run(corpus, tmp_path, f'--recipe={recipe}', '--max_iters=15', '--eval_interval=15', '--sample_tokens=8')
     curve = s['loss_curve']
     assert curve['val_steps'] == [0, 15]
     first, last = curve['val_loss']
@@ -294,6 +296,7 @@ def test_loss_decreases(corpus, tmp_path, recipe):
     log = (tmp_path / 'train.log').read_text()
     assert 'config: {' in log and 'torch ' in log and 'step 14/15 | loss' in log
     assert 'val_loss=' in log and 'tokens_per_s=' in log and 'peak_mem_gib=' in log
+    assert '--- a sample (8 tokens after "def "' in log  # the trained model generates
 
 @pytest.mark.parametrize('recipe,accum,steps', [
     ('bf16', 2, 8),
@@ -385,13 +388,13 @@ def test_recompute_run_is_the_same_run(corpus, tmp_path):
     """train.py --recompute=mlp: the same losses as without (quartet, FP32), and the checkpoint's
     model_args keep the setting."""
     runs = {r: run(corpus, tmp_path / r, '--recipe=quartet', f'--recompute={r}', '--max_iters=3',
-                   '--eval_interval=3', '--sample_tokens=0') for r in ('none', 'mlp')}
+                   '--eval_interval=3') for r in ('none', 'mlp')}
     assert runs['mlp']['loss_curve'] == runs['none']['loss_curve']
     ckpt = torch.load(tmp_path / 'mlp' / 'ckpt.pt', map_location='cpu', weights_only=False)
     assert ckpt['model_args']['recompute'] == 'mlp'
     # a resumed run may turn it on (train.MEMORY_KEYS): the same losses as resuming without it
     shutil.copytree(tmp_path / 'none', tmp_path / 'none2')
-    more = ('--max_iters=5', '--eval_interval=5', '--sample_tokens=0', '--resume=True')
+    more = ('--max_iters=5', '--eval_interval=5', '--resume=True')
     plain = run(corpus, tmp_path / 'none', *more)
     turned_on = run(corpus, tmp_path / 'none2', '--recompute=mlp', '--loss_chunk=64', *more)
     assert turned_on['loss_curve']['train_loss'] == pytest.approx(plain['loss_curve']['train_loss'], rel=1e-6)
@@ -402,7 +405,7 @@ def test_split_eval_is_the_val_splits_first_windows(corpus, tmp_path):
     """eval_split_tokens adds the final loss over the val split's first windows, in order (no seed
     draws them), and changes nothing else. Recomputed here from the checkpoint in one batch: the
     run's 7 batches of 8 x 32 tokens each have the same token count, so their mean is this mean."""
-    args = ('--recipe=bf16', '--max_iters=4', '--eval_interval=4', '--sample_tokens=0', '--seed=3')
+    args = ('--recipe=bf16', '--max_iters=4', '--eval_interval=4', '--seed=3')
     plain = run(corpus, tmp_path / 'plain', *args)
     s = run(corpus, tmp_path / 'split', *args, '--eval_split_tokens=2000')
     assert s['loss_curve']['train_loss'] == plain['loss_curve']['train_loss']
@@ -636,7 +639,7 @@ def test_prepare_fineweb_tokenize_and_write(tmp_path):
 def fails(corpus, out_dir, *args):
     """The message of the SystemExit a run stops with (what the command line prints)."""
     with pytest.raises(SystemExit) as e:
-        run(corpus, out_dir, '--sample_tokens=0', *args)
+        run(corpus, out_dir, *args)
     assert isinstance(e.value.code, str), e.value.code  # a message, exit status 1
     return e.value.code
 
@@ -644,7 +647,7 @@ def fails(corpus, out_dir, *args):
 def two_ckpts(corpus, tmp_path_factory):
     """A bf16 run of 4 steps: ckpt.pt (step 4) and the older ckpt.2.pt, never modified."""
     out = tmp_path_factory.mktemp('two_ckpts')
-    run(corpus, out, '--recipe=bf16', '--max_iters=4', '--eval_interval=2', '--sample_tokens=0')
+    run(corpus, out, '--recipe=bf16', '--max_iters=4', '--eval_interval=2')
     return out
 
 def copy_run(src, dst):
@@ -710,7 +713,7 @@ def test_checkpoint_recipe_or_shape_differs_from_flags(corpus, two_ckpts, tmp_pa
     msg = fails(corpus, out, '--resume=True', '--recipe=bf16', '--block_size=64')
     assert "trained with block_size=32, but the flags ask for block_size=64" in msg
     # not set on the command line: the checkpoint's recipe wins, and the log says so
-    s = run(corpus, out, '--resume=True', '--max_iters=5', '--eval_interval=5', '--sample_tokens=0')
+    s = run(corpus, out, '--resume=True', '--max_iters=5', '--eval_interval=5')
     assert s['recipe'] == 'bf16'
     assert "resuming with the checkpoint's recipe='bf16' (the default is 'quartet')" in \
         (out / 'train.log').read_text()
@@ -787,14 +790,13 @@ def test_disk_full_while_saving_keeps_the_last_checkpoint(corpus, two_ckpts, tmp
     assert sorted(p.name for p in out.glob('ckpt*')) == ['ckpt.2.pt', 'ckpt.pt']
 
 def test_keep_checkpoints(corpus, tmp_path):
-    run(corpus, tmp_path, '--recipe=bf16', '--max_iters=6', '--eval_interval=2', '--keep_checkpoints=3',
-        '--sample_tokens=0')
+    run(corpus, tmp_path, '--recipe=bf16', '--max_iters=6', '--eval_interval=2', '--keep_checkpoints=3')
     names = sorted(p.name for p in tmp_path.glob('ckpt*'))
     assert names == ['ckpt.2.pt', 'ckpt.4.pt', 'ckpt.pt']
     for name, step in (('ckpt.2.pt', 2), ('ckpt.4.pt', 4), ('ckpt.pt', 6)):
         assert torch.load(tmp_path / name, weights_only=False)['iter_num'] == step
     # a fresh run in the same out_dir replaces the earlier run's checkpoints at its first save
-    run(corpus, tmp_path, '--recipe=bf16', '--max_iters=3', '--eval_interval=3', '--sample_tokens=0')
+    run(corpus, tmp_path, '--recipe=bf16', '--max_iters=3', '--eval_interval=3')
     assert sorted(p.name for p in tmp_path.glob('ckpt*')) == ['ckpt.pt']
 
 def same_state(a, b, where='ckpt'):
@@ -818,7 +820,7 @@ def same_state(a, b, where='ckpt'):
 def test_every_state_survives_the_round_trip(corpus, tmp_path):
     """Resume's loading: model (parameters and buffers), optimizer state and every RNG come
     back bit for bit, for whatever states the recipe and the optimizer add."""
-    run(corpus, tmp_path, '--recipe=quartet', '--max_iters=2', '--eval_interval=2', '--sample_tokens=0')
+    run(corpus, tmp_path, '--recipe=quartet', '--max_iters=2', '--eval_interval=2')
     ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=False)
     assert ckpt['optimizer']['state'], 'the optimizer has state to carry'
     args = [f'--data_dir={corpus}', f'--out_dir={tmp_path}', '--model_size=tiny', '--block_size=32',

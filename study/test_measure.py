@@ -128,9 +128,11 @@ def test_lora_rank_rows():
 
 
 def test_held_lora_rows_tell_a_stale_L_from_a_refit(tmp_path):
-    """A fullstack run whose L was fitted once, at step 0, to the init: after 40 steps at lr 0.01
+    """A fullstack run whose L was fitted once, at step 0, to the init: after 10 steps at lr 0.01
     the L it holds leaves more of W outside it than a refit does (Eckart-Young), and cuts the
-    output error by less. With the checkpoint's L replaced by the refit measure.layer makes (the
+    output error by less. Measured: held residual 0.972, refit 0.725; output cut 2.8% held, 26.3%
+    refitted (at 40 steps 0.990, 0.718; 1.0%, 27.7%): 10 steps separate them as widely as 40, at a
+    quarter of the training. With the checkpoint's L replaced by the refit measure.layer makes (the
     same randomized SVD, the same seed), "as held" is that refit exactly."""
     import lora
     import train
@@ -138,8 +140,8 @@ def test_held_lora_rows_tell_a_stale_L_from_a_refit(tmp_path):
     write_corpus(str(tmp_path))
     out = tmp_path / "out"
     train.main([f"--data_dir={tmp_path}", f"--out_dir={out}", "--model_size=tiny", "--block_size=32",
-                "--batch_size=8", "--eval_iters=1", "--eval_interval=40", "--max_iters=40", "--learning_rate=0.01",
-                "--device=cpu", "--dtype=float32", "--compile=False", "--recipe=fullstack"])
+                "--batch_size=8", "--eval_iters=1", "--eval_interval=10", "--max_iters=10", "--learning_rate=0.01",
+                "--device=cpu", "--dtype=float32", "--compile=False", "--recipe=fullstack", "--sample_tokens=0"])
     path = str(out / "ckpt.pt")
     layers, it = measure.from_checkpoint(path, 128)
     rows = {r["variant"]: r for r in measure.held_lora_rows(path, layers, it, 1)}

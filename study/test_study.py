@@ -29,7 +29,7 @@ except ImportError:
 
 CPU = ['--device=cpu', '--dtype=float32', '--compile=False', '--learning_rate=0.01']
 TINY = dict(block_size=32, batch_size=8, gradient_accumulation_steps=1, eval_iters=4,
-            always_save_checkpoint=False, log_interval=5)
+            always_save_checkpoint=False, log_interval=5, sample_tokens=0)  # no closing sample: none is read
 
 # -----------------------------------------------------------------------------
 # the grid, the config a run gets, resuming
