@@ -312,6 +312,9 @@ def export(ckpt_path, out_dir, fp4_weights=False, fp4_packed=False, dtype='bfloa
     """Write the HF folder, its weights in dtype (the packed tensors keep their own); returns
     the list of lines to print."""
     from safetensors.torch import save_file
+    if fp4_packed and dtype != 'bfloat16':  # compressed-tensors decompresses to BF16
+        raise SystemExit(f'--fp4-packed writes the other weights in bfloat16, the dtype its packed '
+                         f'linears decompress to, not {dtype}: leave out --dtype')
     try:
         ckpt = checkpoint.read(ckpt_path)
         recipe = checkpoint.recipe_of(ckpt, ckpt_path)
@@ -329,7 +332,8 @@ def export(ckpt_path, out_dir, fp4_weights=False, fp4_packed=False, dtype='bfloa
         json.dump(config, f, indent=1)
     with open(os.path.join(out_dir, 'generation_config.json'), 'w') as f:
         json.dump(dict(bos_token_id=config['bos_token_id'], eos_token_id=config['eos_token_id']), f)
-    which = dict(master=f'the master weights in {dtype}', fp4=f'the FP4 forward weights of recipe {recipe} in {dtype}',
+    which = dict(master=f'the master weights in {dtype}',
+                 fp4=f'the FP4 forward weights of recipe {recipe} in {dtype}',
                  packed=f'the FP4 forward weights of recipe {recipe}, packed ({PACKED_FORMAT})')[weights]
     save_file(tensors, os.path.join(out_dir, 'model.safetensors'),
               metadata=dict(format='pt', source=os.path.abspath(ckpt_path), recipe=recipe,
@@ -372,9 +376,6 @@ def main(argv=None):
     a = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if a.fp4_weights and a.fp4_packed:
         parser.error('--fp4-weights and --fp4-packed are two exports: choose one')
-    if a.fp4_packed and a.dtype != 'bfloat16':  # compressed-tensors decompresses to BF16
-        parser.error('--fp4-packed writes the other weights in bfloat16, the dtype its packed '
-                     'linears decompress to: leave out --dtype')
     for line in export(a.ckpt, a.out_dir, a.fp4_weights, a.fp4_packed, a.dtype):
         print(line)
 

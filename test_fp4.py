@@ -365,7 +365,7 @@ def test_speed_4096_square_one_core():
     torch.set_num_threads(1)
     try:
         best = math.inf
-        for _ in range(2):
+        for _ in range(5):  # the best of 5: a pass that shares its core (another xdist worker, other jobs) runs long
             t = time.perf_counter()
             fp4.quantize(x)
             best = min(best, time.perf_counter() - t)
