@@ -385,9 +385,6 @@ def mm(a, b, out_dtype=torch.bfloat16, backend=None):
             return (_dequantize_lead(a) @ _dequantize_lead(b).t()).to(out_dtype)
     if not a.codes.is_cuda and backend != "bf16":
         raise ValueError(f"mm backend {backend!r} needs CUDA tensors; use 'emulated' or 'bf16' on the CPU")
-    refused = mm_refusals(backend, a, b, out_dtype)
-    if refused:
-        raise ValueError(f"mm backend {backend!r} cannot take these operands: {'; '.join(refused)}")
     return {"bf16": _mm_bf16, "fp8": _mm_fp8, "native": _mm_native, "triton": _mm_triton}[backend](a, b, out_dtype)
 
 
@@ -417,6 +414,13 @@ def mm_refusals(backend, a, b, out_dtype, cc=None):
         if cc != (9, 0):
             out.append(f"a {out_dtype} output with row-wise scales needs sm_90, not sm_{cc[0]}{cc[1]}")
     return out
+
+
+def _refuse(backend, a, b, out_dtype):
+    """One line naming what `backend` cannot take (mm_refusals), before its library is called."""
+    refused = mm_refusals(backend, a, b, out_dtype)
+    if refused:
+        raise ValueError(f"mm backend {backend!r} cannot take these operands: {'; '.join(refused)}")
 
 
 def _check_mm(a, b):
@@ -554,9 +558,7 @@ def _mm_fp8(a, b, out_dtype):
     """Hopper: MXFP4 folded into E4M3 + FP32 row scales, row-wise scaled FP8 GEMM (SPEC 7)."""
     if a.fmt != "mxfp4":
         return _mm_bf16(a, b, out_dtype)
-    refused = mm_refusals("fp8", a, b, out_dtype)
-    if refused:
-        raise ValueError(f"mm backend 'fp8' cannot take these operands: {'; '.join(refused)}")
+    _refuse("fp8", a, b, out_dtype)
     a8, sa = fold_mx(a)
     b8, sb = fold_mx(b)
     # On sm_90 the product is written in FP32 and rounded here once, as the reference rounds its
@@ -585,9 +587,7 @@ def native_args(a, b):
 
 def _mm_native(a, b, out_dtype):
     """Blackwell (sm_100 / sm_120) native FP4 GEMM. Not run on hardware here: python check.py verifies it (docs/numerics.md)."""
-    refused = mm_refusals("native", a, b, out_dtype)
-    if refused:
-        raise ValueError(f"mm backend 'native' cannot take these operands: {'; '.join(refused)}")
+    _refuse("native", a, b, out_dtype)
     y = torch.nn.functional.scaled_mm(**native_args(a, b), output_dtype=torch.float32)
     if a.fmt == "nvfp4":
         y = y * (a.tensor_scale * b.tensor_scale)
